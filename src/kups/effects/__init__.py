@@ -1,0 +1,53 @@
+"""kups.effects: a context-threading jaxpr interpreter with pluggable handlers."""
+
+from ._defaults import default_dispatcher as default_dispatcher
+from ._dispatcher import Dispatcher as Dispatcher
+from ._dispatcher import Handler as Handler
+from ._interpreter import Interpreter as Interpreter
+from ._matching import contains_subjaxprs as contains_subjaxprs
+from ._reinterpret import reinterpret as reinterpret
+from ._types import HandlerResult as HandlerResult
+from ._types import InterpreterPolicy as InterpreterPolicy
+from ._types import ScanSemantics as ScanSemantics
+from ._types import Uninitialized as Uninitialized
+from .handlers import (
+    default_checkpoint_handler as default_checkpoint_handler,
+)
+from .handlers import (
+    default_closed_call_handler as default_closed_call_handler,
+)
+from .handlers import default_cond_handler as default_cond_handler
+from .handlers import default_custom_jvp_handler as default_custom_jvp_handler
+from .handlers import (
+    default_custom_linear_solve_handler as default_custom_linear_solve_handler,
+)
+from .handlers import default_custom_vjp_handler as default_custom_vjp_handler
+from .handlers import default_jit_handler as default_jit_handler
+from .handlers import default_primitive_handler as default_primitive_handler
+from .handlers import default_scan_handler as default_scan_handler
+from .handlers import default_shard_map_handler as default_shard_map_handler
+from .handlers import default_while_handler as default_while_handler
+
+__all__ = [
+    "Dispatcher",
+    "Handler",
+    "HandlerResult",
+    "Interpreter",
+    "InterpreterPolicy",
+    "ScanSemantics",
+    "Uninitialized",
+    "contains_subjaxprs",
+    "default_checkpoint_handler",
+    "default_closed_call_handler",
+    "default_cond_handler",
+    "default_custom_jvp_handler",
+    "default_custom_linear_solve_handler",
+    "default_custom_vjp_handler",
+    "default_dispatcher",
+    "default_jit_handler",
+    "default_primitive_handler",
+    "default_scan_handler",
+    "default_shard_map_handler",
+    "default_while_handler",
+    "reinterpret",
+]

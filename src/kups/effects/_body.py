@@ -1,0 +1,141 @@
+"""Tracing a sub-program, interpreted with a context, into a jaxpr.
+
+Every control-flow handler does the same thing: interpret the body of the
+equation with the context as an extra input and output, trace that into a new
+jaxpr once, then bind the primitive again with it. This module is that step, and
+the cache that makes each sub-program interpreted once per trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from jax.extend.core import ClosedJaxpr, Jaxpr
+
+from . import _compat
+from ._context import CtxSpec, split
+
+if TYPE_CHECKING:
+    from ._interpreter import Interpreter
+
+BodyFn = Callable[..., tuple[list[Any], Any]]
+
+
+@dataclass(frozen=True)
+class TracedBody:
+    """A body traced with the context threaded through it.
+
+    `jaxpr` takes `[*consts, *ctx_values, *args]` and returns
+    `[*ctx_out_values, *outs]`, where `consts` are the values the body closed over.
+    """
+
+    jaxpr: Jaxpr
+    consts: tuple[Any, ...]
+    ctx_in: CtxSpec
+    ctx_out: CtxSpec
+    out_avals: tuple[Any, ...]
+
+    @property
+    def num_consts(self) -> int:
+        return len(self.consts)
+
+    @property
+    def num_ctx_out(self) -> int:
+        return self.ctx_out.num_values
+
+    def closed(self) -> ClosedJaxpr:
+        """The jaxpr, closed with no consts (the consts are its leading inputs)."""
+        return _compat.new_closed_jaxpr(self.jaxpr, ())
+
+    def call(self, ctx_values: Sequence[Any], args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """Evaluates the traced body: `(ctx_out_values, outs)`."""
+        out = _compat.eval_jaxpr(self.jaxpr, [*self.consts, *ctx_values, *args])
+        return out[: self.num_ctx_out], out[self.num_ctx_out :]
+
+
+def trace_body(
+    interpreter: Interpreter,
+    fn: BodyFn,
+    ctx_spec: CtxSpec,
+    arg_avals: Sequence[Any],
+    *,
+    key: Any = None,
+    name: str = "body",
+) -> TracedBody:
+    """Traces `fn(ctx, *args) -> (outs, ctx_out)` on `ctx_spec` and `arg_avals`.
+
+    With a `key` (which must identify `fn`'s behaviour, such as the sub-jaxpr it
+    interprets), the result is cached for the rest of the interpreter's top-level
+    call: interpreting the same sub-program with the same context again reuses it,
+    so nesting does not multiply the work.
+    """
+    cache_key = None
+    if key is not None:
+        ctx_key = ctx_spec.hash_key()
+        if ctx_key is not None:
+            cache_key = (key, ctx_key, tuple(arg_avals))
+            hit = interpreter._body_cache.get(cache_key)
+            if hit is not None:
+                return hit[0]
+
+    num_ctx = ctx_spec.num_values
+    ctx_out_cell: list[CtxSpec] = []
+
+    def flat_fn(*flat: Any) -> list[Any]:
+        ctx = ctx_spec.unflatten(flat[:num_ctx])
+        outs, ctx_out = fn(ctx, *flat[num_ctx:])
+        spec_out, ctx_out_values = split(ctx_out)
+        ctx_out_cell.append(spec_out)
+        return [*ctx_out_values, *outs]
+
+    jaxpr, out_avals, consts = _compat.trace_to_jaxpr(
+        flat_fn, [*ctx_spec.avals, *arg_avals], f"kups {name}"
+    )
+    spec_out = ctx_out_cell[0]
+    spec_out = CtxSpec(
+        spec_out.treedef,
+        spec_out.paths,
+        spec_out.value_mask,
+        spec_out.statics,
+        tuple(out_avals[: spec_out.num_values]),
+    )
+    traced = TracedBody(
+        jaxpr=_compat.hoist_consts(jaxpr),
+        consts=tuple(consts),
+        ctx_in=ctx_spec,
+        ctx_out=spec_out,
+        out_avals=tuple(out_avals),
+    )
+    if cache_key is not None and not any(isinstance(c, _compat.Tracer) for c in consts):
+        # The key's jaxpr is kept alive with the entry so that its id is not reused.
+        interpreter._body_cache[cache_key] = (traced, key)
+    return traced
+
+
+def interpret_fn(interpreter: Interpreter, jaxpr: ClosedJaxpr | Jaxpr) -> BodyFn:
+    """`fn(ctx, *args) -> (outs, ctx)` that interprets `jaxpr` with `interpreter`."""
+    closed = jaxpr if isinstance(jaxpr, ClosedJaxpr) else _compat.new_closed_jaxpr(jaxpr, ())
+
+    def fn(ctx: Any, *args: Any) -> tuple[list[Any], Any]:
+        return interpreter(closed, ctx, *args)
+
+    return fn
+
+
+def trace_interpreted(
+    interpreter: Interpreter,
+    jaxpr: ClosedJaxpr | Jaxpr,
+    ctx_spec: CtxSpec,
+    *,
+    arg_avals: Sequence[Any] | None = None,
+    name: str = "body",
+) -> TracedBody:
+    """Traces the interpretation of a sub-jaxpr with the context (cached)."""
+    open_jaxpr, _ = _compat.open_jaxpr(jaxpr)
+    if arg_avals is None:
+        arg_avals = [v.aval for v in open_jaxpr.invars]
+    return trace_body(
+        interpreter, interpret_fn(interpreter, jaxpr), ctx_spec, arg_avals, key=jaxpr, name=name
+    )

@@ -1,0 +1,232 @@
+"""Adapters for the JAX internals that kups needs and that move between releases.
+
+Every read of a `jax._src` symbol, and every parameter name that differs between
+JAX releases, lives here, each helper naming the releases it serves. The rest of
+kups imports only public JAX and this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+from jax._src import api_util as _api_util
+from jax._src import core as _core
+from jax._src import linear_util as _lu
+from jax._src import source_info_util as _source_info_util
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.sharding_impls import UNSPECIFIED as _UNSPECIFIED
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
+
+JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+Tracer = _core.Tracer
+UNSPECIFIED = _UNSPECIFIED
+DropVar = _core.DropVar
+ShapedArray = _core.ShapedArray
+
+
+def is_literal(atom: Any) -> bool:
+    return type(atom) is Literal
+
+
+def aval_of(value: Any) -> Any:
+    """The abstract value of a concrete array, a tracer or a Python scalar."""
+    return jax.typeof(value)
+
+
+# ---------------------------------------------------------------------------
+# Binding an equation again.
+# ---------------------------------------------------------------------------
+
+
+def bind_equation(primitive: Any, params: dict[str, Any], invals: Sequence[Any]) -> list[Any]:
+    """Binds `primitive` on `invals` with the parameters of a staged equation.
+
+    `get_bind_params` turns staged parameters (jaxprs) into the callables `bind`
+    expects. It returns a parameter dict holding `subfuns` from JAX 0.9.2 on; before
+    that it returned a `(subfuns, params)` pair.
+    """
+    bind_params = primitive.get_bind_params(params)
+    if isinstance(bind_params, tuple):  # JAX < 0.9.2
+        subfuns, bind_params = bind_params
+        out = primitive.bind(*subfuns, *invals, **bind_params)
+    else:
+        out = primitive.bind(*invals, **bind_params)
+    return list(out) if primitive.multiple_results else [out]
+
+
+@contextlib.contextmanager
+def equation_context(eqn: JaxprEqn) -> Iterator[None]:
+    """Runs an equation under its source info, name stack and equation context."""
+    name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with (
+        _source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+        eqn.ctx.manager,
+    ):
+        yield
+
+
+def source_line(eqn: JaxprEqn) -> str:
+    """`file.py:LINE (function)` of the user's code that produced `eqn`."""
+    return _source_info_util.summarize(eqn.source_info)
+
+
+def user_frame(eqn: JaxprEqn) -> tuple[str, int] | None:
+    """`(file, line)` of the user's code that produced `eqn`, if known."""
+    frame = _source_info_util.user_frame(eqn.source_info.traceback)
+    if frame is None:
+        return None
+    return frame.file_name, frame.start_line
+
+
+# ---------------------------------------------------------------------------
+# Tracing a Python function to a jaxpr, inside whatever trace is current.
+# ---------------------------------------------------------------------------
+
+
+def trace_to_jaxpr(
+    fn: Callable[..., Sequence[Any]], in_avals: Sequence[Any], name: str
+) -> tuple[Jaxpr, list[Any], list[Any]]:
+    """Traces `fn(*flat_args) -> flat_outs` on `in_avals`.
+
+    Returns the jaxpr (with `constvars`), its consts and its output avals. Tracers
+    of enclosing traces that `fn` closes over become consts. JAX 0.10 signature.
+    """
+    debug_info = _api_util.debug_info(name, fn, tuple(in_avals), {})
+    wrapped = _lu.wrap_init(fn, debug_info=debug_info)
+    jaxpr, out_avals, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+    return jaxpr, list(out_avals), list(consts)
+
+
+def hoist_consts(jaxpr: Jaxpr) -> Jaxpr:
+    """The same jaxpr with its constvars turned into leading invars."""
+    return _pe.convert_constvars_jaxpr(jaxpr)
+
+
+def new_closed_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any]) -> ClosedJaxpr:
+    return ClosedJaxpr(jaxpr, list(consts))
+
+
+def is_var(atom: Any) -> bool:
+    return isinstance(atom, Var)
+
+
+# ---------------------------------------------------------------------------
+# Parameters of control-flow primitives.
+# ---------------------------------------------------------------------------
+
+
+def scan_params(
+    params: dict[str, Any], *, jaxpr: ClosedJaxpr, num_consts: int, num_carry: int
+) -> dict[str, Any]:
+    """Scan parameters for a new body. JAX 0.10 dropped `linear` and `_split_transpose`."""
+    new = dict(params, jaxpr=jaxpr, num_consts=num_consts, num_carry=num_carry)
+    if "linear" in new:  # JAX < 0.10
+        new["linear"] = (False,) * len(jaxpr.in_avals)
+    return new
+
+
+def cond_params(params: dict[str, Any], *, branches: tuple[ClosedJaxpr, ...]) -> dict[str, Any]:
+    """Cond parameters for new branches. JAX < 0.10 also carried `linear`."""
+    new = dict(params, branches=branches)
+    if "linear" in new:
+        new["linear"] = (False,) * (len(branches[0].in_avals))
+    return new
+
+
+def shard_map_manual_axes(params: dict[str, Any]) -> frozenset[Any]:
+    """The axes a shard_map equation makes manual: `newly_manual_axes` in JAX 0.10,
+    `manual_axes` before."""
+    if "newly_manual_axes" in params:
+        return frozenset(params["newly_manual_axes"])
+    return frozenset(params["manual_axes"])
+
+
+def shard_map_params(
+    params: dict[str, Any], *, jaxpr: Jaxpr, in_specs: tuple[Any, ...], out_specs: tuple[Any, ...]
+) -> dict[str, Any]:
+    return dict(params, jaxpr=jaxpr, in_specs=in_specs, out_specs=out_specs)
+
+
+def shard_aval(
+    mesh: Any, manual_axes: frozenset[Any], check_vma: bool, spec: Any, aval: Any
+) -> Any:
+    """The per-shard aval of a global `aval` entering a shard_map with `spec`."""
+    return _core.shard_aval(mesh, manual_axes, check_vma, spec, aval)
+
+
+@contextlib.contextmanager
+def manual_axis_scope(mesh: Any, manual_axes: frozenset[Any], check_vma: bool) -> Iterator[None]:
+    """The environment a shard_map body is traced in: the manual axes bound, the
+    abstract mesh with them manual, and `check_vma` set. JAX 0.10."""
+    from jax._src import config as _config
+    from jax._src import shard_map as _shard_map
+
+    inner_mesh = _shard_map._as_manual_mesh(mesh, manual_axes)
+    with (
+        _shard_map._extend_axis_env(mesh, manual_axes),
+        jax.sharding.use_abstract_mesh(inner_mesh),
+        _config._check_vma(check_vma),
+    ):
+        yield
+
+
+def varying_axes(aval: Any) -> frozenset[Any]:
+    """The manual mesh axes over which a value may differ between shards.
+
+    JAX 0.10 keeps them in `aval.mat.varying`; earlier releases in `aval.vma`.
+    """
+    mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", None) or ())
+
+
+def shape_dtype_struct(aval: Any) -> jax.ShapeDtypeStruct:
+    """A `ShapeDtypeStruct` with the shape, dtype, sharding and manual axes of `aval`."""
+    mat = getattr(aval, "mat", None)
+    sharding = getattr(aval, "sharding", None)
+    if sharding is not None and sharding.mesh.empty:
+        sharding = None
+    return jax.ShapeDtypeStruct(
+        aval.shape,
+        aval.dtype,
+        sharding=sharding,
+        weak_type=aval.weak_type,
+        manual_axis_type=None if mat is None or mat.empty else mat,
+    )
+
+
+def jaxprs_in_params(params: dict[str, Any]) -> list[Jaxpr]:
+    return list(jax.extend.core.jaxprs_in_params(params))
+
+
+def open_jaxpr(jaxpr: Jaxpr | ClosedJaxpr) -> tuple[Jaxpr, Sequence[Any]]:
+    if isinstance(jaxpr, ClosedJaxpr):
+        return jaxpr.jaxpr, jaxpr.consts
+    return jaxpr, ()
+
+
+def remat_primitive() -> Any:
+    return jax.extend.core.primitives.remat_p
+
+
+def symbolic_zero_type() -> type:
+    return jax.custom_derivatives.SymbolicZero
+
+
+def eval_jaxpr(jaxpr: Jaxpr, args: Sequence[Any]) -> list[Any]:
+    """Evaluates a const-free jaxpr by re-binding its equations."""
+    return list(_core.eval_jaxpr(jaxpr, (), *args))
+
+
+def new_var(aval: Any) -> Var:
+    return Var(aval)
+
+
+def replace_jaxpr(jaxpr: Jaxpr, **kwargs: Any) -> Jaxpr:
+    """`jaxpr` with some of `invars`, `outvars`, `constvars` replaced."""
+    return jaxpr.replace(**kwargs)

@@ -1,0 +1,181 @@
+"""Effect primitives: identities that JAX keeps so that interpreters can see them."""
+
+from collections.abc import Hashable, Sequence
+from functools import partial
+from typing import Any
+
+from jax.extend.core import Effect, Primitive
+from jax.interpreters import ad, batching, mlir
+
+from ._compat_effect import register_effect_type
+
+
+class KupsEffect(Effect):
+    """The JAX effect carried by every primitive made by `define_effect`.
+
+    It is unordered (no runtime tokens are threaded through the compiled
+    program) and registered in JAX's effect tables so that `jit`, control flow,
+    `jax.checkpoint`, custom derivatives and partial evaluation keep the
+    primitive even when its outputs are unused. Each primitive has its own
+    instance; instances compare by identity.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"KupsEffect({self.name!r})"
+
+
+register_effect_type(KupsEffect)
+
+
+class EffectPrimitive(Primitive):
+    """A primitive made by `define_effect`; see there."""
+
+    multiple_results = True
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.effect = KupsEffect(name)
+
+    def __repr__(self) -> str:
+        # Two effects may share a name; the id tells them apart in messages.
+        return f"{self.name} (kups effect at {id(self):#x})"
+
+    def bind(self, *args: Any, **params: Hashable) -> list[Any]:
+        for key, value in params.items():
+            try:
+                hash(value)
+            except TypeError:
+                raise TypeError(
+                    f"Effect {self!r} was bound with the unhashable static "
+                    f"parameter {key}={value!r} of type {type(value).__name__}. "
+                    "Static parameters must be hashable Python values (use a "
+                    "tuple instead of a list, a frozenset instead of a set); "
+                    "pass arrays as positional arguments instead."
+                ) from None
+        return super().bind(*args, **params)
+
+
+def define_effect(name: str) -> Primitive:
+    """Makes a new effect primitive: an identity on arrays that JAX never
+    removes while an interpreter could still see it.
+
+    The primitive is bound as `prim.bind(*arrays, **static_params)` and returns
+    a list of the same arrays (same shapes, dtypes and varying manual axes).
+    `static_params` are hashable Python values (strings, numbers, tuples,
+    frozen dataclasses); they become the equation's `params`, where a handler
+    reads them.
+
+    Outside an interpreter the primitive is the identity, eagerly and under
+    `jit`, `vmap`, `grad`/`jvp`/`vjp`, `scan`, `while_loop`, `cond`,
+    `jax.checkpoint`, `custom_jvp`/`custom_vjp` and `shard_map` (also with
+    `check_vma=True`). It carries an unordered JAX effect, so it survives
+    dead-code elimination and partial evaluation even when its outputs are
+    unused, yet adds nothing to the compiled program (its lowering returns its
+    operands; no runtime tokens).
+
+    Under differentiation the primitive is bound once, on the primal values;
+    tangents and cotangents pass through it unchanged and do not bind it, so
+    `jax.grad` of a function equals, bit for bit, `jax.grad` of the same
+    function without the effect, and a handler sees each bind exactly once.
+
+    Every call returns a distinct primitive, even for a name used before. A
+    dispatcher keyed by name treats such primitives as one; key it by the
+    primitive object to tell them apart.
+
+    **Arguments:**
+
+    - `name`: the primitive's name, shown in jaxprs and used to register
+      handlers by name.
+
+    **Returns:**
+
+    A `jax.extend.core.Primitive` with `multiple_results=True`.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        from kups.effects import define_effect
+
+        log_p = define_effect("log")
+
+
+        def f(x):
+            y = jnp.sin(x)
+            (y,) = log_p.bind(y, tag="activations", name="sin")
+            return y * 2.0
+        ```
+
+        `f` computes `jnp.sin(x) * 2.0` as if `log_p` were not there, and
+        `jax.make_jaxpr(f)` shows an equation `log[name=sin tag=activations]`.
+        An interpreter built with a `Dispatcher` that has a handler registered
+        for `"log"` (or for `log_p`) receives that equation with `invals` the
+        value of `y`, reads `eqn.params["tag"]`, may record the value in its
+        context, and returns `HandlerResult(ctx, invals)` to keep `f` unchanged.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(
+            f"define_effect expects a non-empty string as the effect's name, got {name!r}."
+        )
+    primitive = EffectPrimitive(name)
+    primitive.def_impl(_identity_impl)
+    primitive.def_effectful_abstract_eval(partial(_abstract_eval, primitive.effect))
+    batching.primitive_batchers[primitive] = partial(_batch_rule, primitive)
+    ad.primitive_jvps[primitive] = partial(_jvp_rule, primitive)
+    ad.primitive_transposes[primitive] = _transpose_rule
+    mlir.register_lowering(primitive, _lowering)
+    return primitive
+
+
+def _identity_impl(*args: Any, **params: Hashable) -> list[Any]:
+    del params
+    return list(args)
+
+
+def _abstract_eval(
+    effect: KupsEffect, *avals: Any, **params: Hashable
+) -> tuple[list[Any], set[Effect]]:
+    del params
+    # The input avals are returned unchanged: this keeps shape, dtype, weak
+    # type, sharding and, inside `shard_map`, the varying manual axes (`.mat`).
+    return list(avals), {effect}
+
+
+def _batch_rule(
+    primitive: Primitive,
+    batched_args: Sequence[Any],
+    batch_dims: Sequence[int | None],
+    **params: Hashable,
+) -> tuple[list[Any], list[int | None]]:
+    return primitive.bind(*batched_args, **params), list(batch_dims)
+
+
+def _jvp_rule(
+    primitive: Primitive,
+    primals: Sequence[Any],
+    tangents: Sequence[Any],
+    **params: Hashable,
+) -> tuple[list[Any], list[Any]]:
+    # Binding only the primals keeps the effect in the primal (known) part
+    # under `jax.linearize`/`jax.grad`: binding tangents too would make the
+    # primal outputs depend on unknowns and would show the effect twice.
+    return primitive.bind(*primals, **params), list(tangents)
+
+
+def _transpose_rule(cotangents: Sequence[Any], *args: Any, **params: Hashable) -> list[Any]:
+    # Reached only when the primitive is applied to linear inputs directly
+    # (e.g. under `jax.linear_transpose`); `jax.grad` never transposes it
+    # because its JVP does not bind it on tangents.
+    del params
+    return [
+        cotangent if ad.is_undefined_primal(arg) else None
+        for cotangent, arg in zip(cotangents, args, strict=True)
+    ]
+
+
+def _lowering(ctx: Any, *args: Any, **params: Hashable) -> list[Any]:
+    del ctx, params
+    return list(args)

@@ -1,0 +1,220 @@
+"""The interpreter: walks a jaxpr, threading a context through the handlers."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
+
+from . import _compat
+from ._dispatcher import Dispatcher
+from ._matching import is_control_flow
+from ._types import InterpreterPolicy
+
+# Per jaxpr, the variables whose last use is at each equation (freed after it).
+_LAST_USES: weakref.WeakKeyDictionary[Jaxpr, list[list[Any]]] = weakref.WeakKeyDictionary()
+
+
+def _last_uses(jaxpr: Jaxpr) -> list[list[Any]]:
+    cached = _LAST_USES.get(jaxpr)
+    if cached is not None:
+        return cached
+    last: dict[Any, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not _compat.is_literal(v):
+                last[v] = i
+        for v in eqn.outvars:
+            last.setdefault(v, i)  # defined and never read: freed at once
+    for v in jaxpr.outvars:
+        if not _compat.is_literal(v):
+            last[v] = len(jaxpr.eqns)
+    for v in (*jaxpr.constvars, *jaxpr.invars):
+        last.setdefault(v, -1)
+    frees: list[list[Any]] = [[] for _ in jaxpr.eqns]
+    for v, i in last.items():
+        if 0 <= i < len(jaxpr.eqns):
+            frees[i].append(v)
+    _LAST_USES[jaxpr] = frees
+    return frees
+
+
+def where(eqn: JaxprEqn) -> str:
+    """`primitive 'name' at file.py:LINE (function)` for error messages."""
+    return f"primitive '{eqn.primitive.name}' at {_compat.source_line(eqn)}"
+
+
+class Interpreter:
+    """Walks a jaxpr with a context, sending equations to a dispatcher's handlers.
+
+    An equation whose primitive has a handler goes to it. Any other equation without
+    control-flow sub-programs is re-bound unchanged under its source info and name
+    stack. A control-flow equation that no handler takes is governed by `policy`.
+    Values are freed as soon as their last use has run.
+
+    **Arguments:**
+
+    - `dispatcher`: which handler takes which primitive.
+    - `policy`: what to do with an unhandled control-flow equation.
+    - `label`: a name for this interpreter, shown in error messages and reprs.
+
+    **Example:**
+
+    ```python
+    interpreter = Interpreter(default_dispatcher())
+    closed = jax.make_jaxpr(f)(x)
+    outs, ctx = interpreter(closed, ctx, x)
+    ```
+    """
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        policy: InterpreterPolicy = InterpreterPolicy.RAISE,
+        label: str = "",
+    ):
+        if not isinstance(dispatcher, Dispatcher):
+            raise TypeError(
+                f"Interpreter(dispatcher) takes a kups.effects.Dispatcher, got "
+                f"{type(dispatcher).__name__}. Build one with default_dispatcher() or "
+                f"Dispatcher({{primitive: handler}})."
+            )
+        if not isinstance(policy, InterpreterPolicy):
+            raise TypeError(
+                f"policy must be an InterpreterPolicy (RAISE, WARN or IGNORE), got {policy!r}."
+            )
+        self.dispatcher = dispatcher
+        self.policy = policy
+        self.label = label
+        self._depth = 0
+        self._body_cache: dict[Any, Any] = {}
+
+    def __repr__(self) -> str:
+        label = f", label={self.label!r}" if self.label else ""
+        return f"Interpreter({self.dispatcher!r}, policy={self.policy.name}{label})"
+
+    def __call__(
+        self, closed_jaxpr: ClosedJaxpr | Jaxpr, ctx: Any, *args: Any
+    ) -> tuple[list[Any], Any]:
+        """Interprets `closed_jaxpr` on `args` with `ctx`.
+
+        **Returns:**
+
+        `(outs, ctx)`: the list of the jaxpr's outputs and the final context.
+        """
+        jaxpr, consts = _compat.open_jaxpr(closed_jaxpr)
+        if len(args) != len(jaxpr.invars):
+            raise TypeError(
+                f"{self.label or 'Interpreter'}: the jaxpr takes {len(jaxpr.invars)} "
+                f"inputs, got {len(args)} arguments."
+            )
+        if self._depth == 0:
+            self._body_cache = {}
+        self._depth += 1
+        try:
+            return self._run(jaxpr, consts, ctx, args)
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._body_cache = {}
+
+    def _run(
+        self, jaxpr: Jaxpr, consts: Sequence[Any], ctx: Any, args: Sequence[Any]
+    ) -> tuple[list[Any], Any]:
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        frees = _last_uses(jaxpr)
+        handlers = self.dispatcher._handlers
+        rules = self.dispatcher._rules
+        fallback = self.dispatcher._fallback
+        is_literal = _compat.is_literal
+        for eqn, free in zip(jaxpr.eqns, frees, strict=True):
+            invals = [v.val if is_literal(v) else env[v] for v in eqn.invars]
+            handler = handlers.get(eqn.primitive.name)
+            with _compat.equation_context(eqn):
+                if handler is not None:
+                    ctx, outvals = self._dispatch(handler, ctx, eqn, invals)
+                elif (rules and any(rule(ctx, eqn, invals) for rule in rules)) or is_control_flow(
+                    eqn
+                ):
+                    outvals = self._unhandled(eqn, invals)
+                elif fallback is not None:
+                    ctx, outvals = self._dispatch(fallback, ctx, eqn, invals)
+                else:
+                    outvals = _compat.bind_equation(eqn.primitive, eqn.params, invals)
+            for v, val in zip(eqn.outvars, outvals, strict=True):
+                env[v] = val
+            for v in free:
+                env.pop(v, None)
+        outs = [v.val if is_literal(v) else env[v] for v in jaxpr.outvars]
+        return outs, ctx
+
+    def _dispatch(
+        self, handler: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
+    ) -> tuple[Any, list[Any]]:
+        result = handler(self, ctx, eqn, invals)
+        if not isinstance(result, tuple) or len(result) != 2:
+            raise TypeError(
+                f"The handler {_name(handler)} for {where(eqn)} returned "
+                f"{type(result).__name__}; a handler returns HandlerResult(ctx, outvals)."
+            )
+        new_ctx, outvals = result
+        _check_outvals(handler, eqn, outvals)
+        return new_ctx, outvals
+
+    def _unhandled(self, eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
+        if self.policy is InterpreterPolicy.IGNORE:
+            return _compat.bind_equation(eqn.primitive, eqn.params, invals)
+        name = eqn.primitive.name
+        message = (
+            f"{self.label or 'kups'}: no handler for the control-flow {where(eqn)}. "
+            f"Its sub-program would run without the interpreter, and any effect inside "
+            f"it would be lost. Register a handler with "
+            f"dispatcher.register_handler({name!r}, handler) (a handler that interprets "
+            f"the body, like kups.effects.handlers.default_closed_call_handler), or "
+            f"build the Interpreter with policy=InterpreterPolicy.IGNORE to run it "
+            f"unchanged."
+        )
+        if self.policy is InterpreterPolicy.RAISE:
+            raise NotImplementedError(message)
+        warnings.warn(message, stacklevel=2)
+        return _compat.bind_equation(eqn.primitive, eqn.params, invals)
+
+
+def _name(handler: Any) -> str:
+    func = getattr(handler, "func", handler)  # functools.partial
+    return getattr(func, "__qualname__", None) or type(handler).__name__
+
+
+def _check_outvals(handler: Any, eqn: JaxprEqn, outvals: Any) -> None:
+    if not isinstance(outvals, list):
+        raise TypeError(
+            f"The handler {_name(handler)} for {where(eqn)} returned outvals of type "
+            f"{type(outvals).__name__}; outvals must be a list with one value per output "
+            f"of the equation (for example HandlerResult(ctx, [y]) or "
+            f"HandlerResult(ctx, list(ys)))."
+        )
+    if len(outvals) != len(eqn.outvars):
+        raise ValueError(
+            f"The handler {_name(handler)} for {where(eqn)} returned {len(outvals)} "
+            f"outvals; the equation has {len(eqn.outvars)} outputs "
+            f"({', '.join(v.aval.str_short() for v in eqn.outvars)})."
+        )
+    for i, (var, val) in enumerate(zip(eqn.outvars, outvals, strict=True)):
+        try:
+            aval = _compat.aval_of(val)
+        except TypeError as err:
+            raise TypeError(
+                f"The handler {_name(handler)} for {where(eqn)} returned a "
+                f"{type(val).__name__} as output {i}, which is not an array."
+            ) from err
+        want = var.aval
+        if aval.shape != want.shape or aval.dtype != want.dtype:
+            raise ValueError(
+                f"The handler {_name(handler)} for {where(eqn)} returned output {i} of "
+                f"type {aval.str_short()}; the equation's output {i} is "
+                f"{want.str_short()}. A handler must keep every output's shape and dtype."
+            )

@@ -1,0 +1,24 @@
+"""`checkpoint` / `remat`: the body is interpreted inside the same remat boundary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.extend.core import JaxprEqn
+
+from .. import _compat
+from .._body import trace_interpreted
+from .._context import split
+from .._types import HandlerResult
+
+
+def default_checkpoint_handler(
+    interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
+) -> HandlerResult:
+    """Interprets a `jax.checkpoint` body inside a checkpoint with the original
+    `policy` and `prevent_cse`, so the rematerialisation boundary stays."""
+    spec, ctx_values = split(ctx)
+    body = trace_interpreted(interpreter, eqn.params["jaxpr"], spec, name="checkpoint")
+    new_params = dict(eqn.params, jaxpr=body.jaxpr)
+    out = _compat.bind_equation(eqn.primitive, new_params, [*body.consts, *ctx_values, *invals])
+    return HandlerResult(body.ctx_out.unflatten(out[: body.num_ctx_out]), out[body.num_ctx_out :])

@@ -1,0 +1,62 @@
+"""`cond` and `switch`: every branch interpreted, the taken one's context kept."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.extend.core import JaxprEqn
+
+from .. import _compat
+from .._body import trace_interpreted
+from .._context import diff, split
+from .._interpreter import where
+from .._types import HandlerResult
+
+
+def default_cond_handler(
+    interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
+) -> HandlerResult:
+    """Interprets every branch of a `cond` or `switch` (any number of branches) with
+    the context; the taken branch's outputs and context come out.
+
+    Every branch must return the same context structure, shapes and dtypes; a
+    `ValueError` names the branches and the differing context paths otherwise.
+    """
+    branches = eqn.params["branches"]
+    index, operands = invals[0], invals[1:]
+    spec, ctx_values = split(ctx)
+    traced = [
+        trace_interpreted(interpreter, branch, spec, name=f"cond branch {i}")
+        for i, branch in enumerate(branches)
+    ]
+    first = traced[0]
+    for i, other in enumerate(traced[1:], start=1):
+        if not other.ctx_out.same_as(first.ctx_out):
+            raise ValueError(
+                f"The branches of the cond/switch at {where(eqn)} return different "
+                f"contexts (branch 0 vs branch {i}):\n"
+                + "\n".join(diff(first.ctx_out, other.ctx_out))
+                + "\nEvery branch must leave the context with the same structure, shapes "
+                "and dtypes: give the other branches the same leaves (for example with "
+                "zeros), or have the handler add them before the cond."
+            )
+    # Every branch takes the consts of all branches, then the context and operands.
+    all_consts = [c for body in traced for c in body.consts]
+    const_avals = [_compat.aval_of(c) for c in all_consts]
+    new_branches = []
+    offset = 0
+    for body in traced:
+        own = body.jaxpr.invars[: body.num_consts]
+        padding_before = [_compat.new_var(a) for a in const_avals[:offset]]
+        padding_after = [_compat.new_var(a) for a in const_avals[offset + body.num_consts :]]
+        invars = [*padding_before, *own, *padding_after, *body.jaxpr.invars[body.num_consts :]]
+        new_branches.append(
+            _compat.new_closed_jaxpr(_compat.replace_jaxpr(body.jaxpr, invars=invars), ())
+        )
+        offset += body.num_consts
+    new_params = _compat.cond_params(eqn.params, branches=tuple(new_branches))
+    out = _compat.bind_equation(
+        eqn.primitive, new_params, [index, *all_consts, *ctx_values, *operands]
+    )
+    num_ctx = first.num_ctx_out
+    return HandlerResult(first.ctx_out.unflatten(out[:num_ctx]), out[num_ctx:])

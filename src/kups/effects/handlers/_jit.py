@@ -1,0 +1,39 @@
+"""`jit`: the body is re-jitted with the context as an extra input and output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.extend.core import JaxprEqn
+
+from .. import _compat
+from .._body import trace_interpreted
+from .._context import split
+from .._types import HandlerResult
+
+
+def default_jit_handler(
+    interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
+) -> HandlerResult:
+    """Interprets a `jit` body and jits it again, with the context threaded through.
+
+    The user's in/out shardings and layouts, donation (of the user's arguments,
+    never of the context), `keep_unused`, `inline`, compiler options and name are
+    kept; the context enters and leaves unsharded and undonated.
+    """
+    params = eqn.params
+    spec, ctx_values = split(ctx)
+    body = trace_interpreted(interpreter, params["jaxpr"], spec, name=f"jit {params['name']}")
+    num_extra_in = body.num_consts + spec.num_values
+    num_extra_out = body.num_ctx_out
+    new_params = dict(
+        params,
+        jaxpr=body.closed(),
+        in_shardings=(_compat.UNSPECIFIED,) * num_extra_in + tuple(params["in_shardings"]),
+        out_shardings=(_compat.UNSPECIFIED,) * num_extra_out + tuple(params["out_shardings"]),
+        in_layouts=(None,) * num_extra_in + tuple(params["in_layouts"]),
+        out_layouts=(None,) * num_extra_out + tuple(params["out_layouts"]),
+        donated_invars=(False,) * num_extra_in + tuple(params["donated_invars"]),
+    )
+    out = _compat.bind_equation(eqn.primitive, new_params, [*body.consts, *ctx_values, *invals])
+    return HandlerResult(body.ctx_out.unflatten(out[:num_extra_out]), out[num_extra_out:])

@@ -1,0 +1,133 @@
+"""What `scan` and `while` share: finding the context a loop carries."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend.core import JaxprEqn
+
+from .. import _compat
+from .._body import TracedBody, trace_body
+from .._context import CtxSpec, diff, split, uninitialized_paths
+from .._interpreter import where
+from .._types import Uninitialized
+
+Initializer = Callable[[Any, Any], Any]
+Updater = Callable[[Any, Any], Any]
+
+
+def sentinel(ctx_before: Any, spec_before: CtxSpec, spec_after: CtxSpec) -> Any:
+    """The body's output context with the leaves that existed before the loop
+    holding their values from before the loop, and new leaves `Uninitialized`."""
+    before = dict(zip(spec_before.paths, jax.tree.leaves(ctx_before), strict=True))
+    avals = iter(spec_after.avals)
+    statics = iter(spec_after.statics)
+    leaves = []
+    for path, is_value in zip(spec_after.paths, spec_after.value_mask, strict=True):
+        leaf = next(avals) if is_value else next(statics)
+        if path in before:
+            leaves.append(before[path])
+        elif is_value:
+            leaves.append(Uninitialized(leaf))
+        else:
+            leaves.append(leaf)
+    return jax.tree.unflatten(spec_after.treedef, leaves)
+
+
+def resolve_carry(
+    eqn: JaxprEqn,
+    kind: str,
+    trace: Callable[[CtxSpec], TracedBody],
+    ctx: Any,
+    initializer: Initializer | None,
+) -> tuple[TracedBody, CtxSpec, list[Any]]:
+    """Traces a loop body and finds the context it carries.
+
+    A body that returns a context of the same structure, shapes and dtypes is
+    carried as it is. Otherwise `initializer(ctx_before, sentinel)` gives the
+    initial context, and the body is traced with it (once: nested bodies are
+    cached, so nesting does not multiply the work).
+
+    **Returns:**
+
+    `(body, carried_spec, initial_values)`.
+    """
+    spec, values = split(ctx)
+    body = trace(spec)
+    if body.ctx_out.same_as(spec):
+        return body, spec, values
+    if initializer is None:
+        raise ValueError(
+            f"The {kind} body of {where(eqn)} changes the context's structure, shapes "
+            f"or dtypes, so the context cannot be a loop carry as it is:\n"
+            + "\n".join(diff(spec, body.ctx_out))
+            + "\nPass an initializer that builds the context the loop starts with, e.g. "
+            f"functools.partial(default_{_handler_name(kind)}_handler, initializer=init) "
+            f"with init(ctx_before, sentinel) returning the sentinel with every "
+            f"Uninitialized leaf replaced by a starting value."
+        )
+    init_ctx = initializer(ctx, sentinel(ctx, spec, body.ctx_out))
+    missing = uninitialized_paths(init_ctx)
+    if missing:
+        raise ValueError(
+            f"The initializer for the {kind} of {where(eqn)} left context leaves "
+            f"Uninitialized: {', '.join('ctx' + p for p in missing)}. Give each a "
+            f"starting value (for example jnp.zeros(leaf.shape, leaf.dtype))."
+        )
+    init_spec, init_values = split(init_ctx)
+    body = trace(init_spec)
+    if not body.ctx_out.same_as(init_spec):
+        raise ValueError(
+            f"The {kind} body of {where(eqn)} does not return the context its "
+            f"initializer built; a loop carry must keep its structure, shapes and "
+            f"dtypes:\n"
+            + "\n".join(diff(init_spec, body.ctx_out))
+            + "\nMake the initializer return the context the body returns."
+        )
+    return body, init_spec, init_values
+
+
+def with_updater(
+    interpreter: Any,
+    eqn: JaxprEqn,
+    kind: str,
+    body: TracedBody,
+    arg_avals: Sequence[Any],
+    updater: Updater | None,
+) -> TracedBody:
+    """The loop body followed by `updater(carried, new)`."""
+    if updater is None:
+        return body
+
+    def step(ctx: Any, *args: Any) -> tuple[list[Any], Any]:
+        ctx_values = split(ctx)[1]
+        ctx_out, outs = body.call(ctx_values, args)
+        merged = updater(ctx, body.ctx_out.unflatten(ctx_out))
+        return outs, merged
+
+    updated = trace_body(interpreter, step, body.ctx_in, arg_avals, name=f"{kind} updater")
+    if not updated.ctx_out.same_as(body.ctx_in):
+        raise ValueError(
+            f"The updater of the {kind} at {where(eqn)} returned a context that differs "
+            f"from the carried one:\n"
+            + "\n".join(diff(body.ctx_in, updated.ctx_out))
+            + "\nupdater(carried, new) must return a context like `carried`."
+        )
+    return updated
+
+
+def _handler_name(kind: str) -> str:
+    return "while" if kind == "while_loop" else kind
+
+
+def permute_invars(body: TracedBody, order: Sequence[int]) -> Any:
+    """The body's jaxpr with its invars in `order` (indices into the current ones)."""
+    invars = body.jaxpr.invars
+    return _compat.replace_jaxpr(body.jaxpr, invars=[invars[i] for i in order])
+
+
+def arg_avals_of(jaxpr: Any) -> list[Any]:
+    open_jaxpr, _ = _compat.open_jaxpr(jaxpr)
+    return [v.aval for v in open_jaxpr.invars]

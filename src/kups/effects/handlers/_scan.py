@@ -1,0 +1,168 @@
+"""`scan`: the context as a loop carry, or stacked like the scan's outputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.extend.core import JaxprEqn
+from jax.tree_util import keystr
+
+from .. import _compat
+from .._body import TracedBody, trace_interpreted
+from .._context import CtxSpec, same_type
+from .._interpreter import where
+from .._types import HandlerResult, ScanSemantics
+from ._loop import Initializer, Updater, arg_avals_of, permute_invars, resolve_carry, with_updater
+
+
+def default_scan_handler(
+    interpreter: Any,
+    ctx: Any,
+    eqn: JaxprEqn,
+    invals: list[Any],
+    *,
+    threading: ScanSemantics = ScanSemantics.CARRY,
+    initializer: Initializer | None = None,
+    updater: Updater | None = None,
+) -> HandlerResult:
+    """Interprets a `scan` body once and scans it with the context threaded through.
+
+    **Arguments:**
+
+    - `threading`: `ScanSemantics.CARRY` (the context is a loop carry) or
+      `ScanSemantics.RESULT` (leaves that existed before the scan are carried;
+      leaves the body adds come back stacked along a new leading axis of size
+      `length`, entry `i` belonging to `xs[i]`, also for `reverse=True`).
+    - `initializer`: with `CARRY`, needed when the body adds context leaves:
+      `initializer(ctx_before, sentinel)` returns the context the loop starts
+      with, where `sentinel` is the body's output context whose new leaves are
+      `Uninitialized`.
+    - `updater`: with `CARRY`, `updater(carried, new)` merges the body's output
+      context into the carried one after each iteration (default: `new`).
+
+    Register it with options through `functools.partial`:
+
+    ```python
+    dispatcher.register_handler(
+        "scan", functools.partial(default_scan_handler, threading=ScanSemantics.RESULT)
+    )
+    ```
+    """
+    if not isinstance(threading, ScanSemantics):
+        raise TypeError(f"threading must be a ScanSemantics, got {threading!r}.")
+    params = eqn.params
+    num_consts, num_carry = params["num_consts"], params["num_carry"]
+    body_jaxpr = params["jaxpr"]
+    arg_avals = arg_avals_of(body_jaxpr)
+    consts = invals[:num_consts]
+    carry = invals[num_consts : num_consts + num_carry]
+    xs = invals[num_consts + num_carry :]
+
+    def trace(spec: CtxSpec) -> TracedBody:
+        return trace_interpreted(interpreter, body_jaxpr, spec, name="scan")
+
+    if threading is ScanSemantics.RESULT:
+        if initializer is not None or updater is not None:
+            raise ValueError(
+                f"default_scan_handler for {where(eqn)}: initializer and updater apply to "
+                f"ScanSemantics.CARRY; with RESULT, new context leaves are stacked and "
+                f"existing ones are carried as they are."
+            )
+        return _scan_result(eqn, ctx, trace, consts, carry, xs)
+
+    body, spec, ctx_values = resolve_carry(eqn, "scan", trace, ctx, initializer)
+    body = with_updater(interpreter, eqn, "scan", body, arg_avals, updater)
+    jaxpr = _scan_order(body, spec.num_values, num_consts)
+    new_params = _compat.scan_params(
+        params,
+        jaxpr=_compat.new_closed_jaxpr(jaxpr, ()),
+        num_consts=body.num_consts + num_consts,
+        num_carry=spec.num_values + num_carry,
+    )
+    out = _compat.bind_equation(
+        eqn.primitive, new_params, [*body.consts, *consts, *ctx_values, *carry, *xs]
+    )
+    num_ctx = spec.num_values
+    return HandlerResult(body.ctx_out.unflatten(out[:num_ctx]), out[num_ctx:])
+
+
+def _scan_order(body: TracedBody, num_ctx: int, num_consts: int) -> Any:
+    """The traced body's jaxpr with invars `[body consts, consts, ctx, carry, xs]`.
+
+    It was traced as `[body consts, ctx, consts, carry, xs]`.
+    """
+    k = body.num_consts
+    total = len(body.jaxpr.invars)
+    order = [
+        *range(k),
+        *range(k + num_ctx, k + num_ctx + num_consts),
+        *range(k, k + num_ctx),
+        *range(k + num_ctx + num_consts, total),
+    ]
+    return permute_invars(body, order)
+
+
+def _scan_result(
+    eqn: JaxprEqn,
+    ctx: Any,
+    trace: Any,
+    consts: list[Any],
+    carry: list[Any],
+    xs: list[Any],
+) -> HandlerResult:
+    from .._context import split
+
+    spec, ctx_values = split(ctx)
+    body = trace(spec)
+    out_spec = body.ctx_out
+    in_paths = [p for p, m in zip(spec.paths, spec.value_mask, strict=True) if m]
+    out_paths = [p for p, m in zip(out_spec.paths, out_spec.value_mask, strict=True) if m]
+    out_index = {p: j for j, p in enumerate(out_paths)}
+    carried_pos = []
+    for i, path in enumerate(in_paths):
+        j = out_index.get(path)
+        if j is None or not same_type(spec.avals[i], out_spec.avals[j]):
+            now = "removes it" if j is None else f"makes it {out_spec.avals[j].str_short()}"
+            raise ValueError(
+                f"The scan body of {where(eqn)} {now}, but context leaf "
+                f"ctx{keystr(path)} ({spec.avals[i].str_short()}) existed before the "
+                f"scan: with ScanSemantics.RESULT, existing leaves are carried and must "
+                f"keep their shape and dtype. Leave it as it is, or use "
+                f"ScanSemantics.CARRY with an initializer."
+            )
+        carried_pos.append(j)
+    carried = set(carried_pos)
+    new_pos = [j for j in range(len(out_paths)) if j not in carried]
+
+    num_ctx_in, num_ctx_out = spec.num_values, out_spec.num_values
+    jaxpr = _scan_order(body, num_ctx_in, len(consts))
+    outvars = jaxpr.outvars
+    ctx_outvars, rest = outvars[:num_ctx_out], outvars[num_ctx_out:]
+    num_carry = len(carry)
+    jaxpr = _compat.replace_jaxpr(
+        jaxpr,
+        outvars=[
+            *(ctx_outvars[j] for j in carried_pos),
+            *rest[:num_carry],
+            *rest[num_carry:],
+            *(ctx_outvars[j] for j in new_pos),
+        ],
+    )
+    new_params = _compat.scan_params(
+        eqn.params,
+        jaxpr=_compat.new_closed_jaxpr(jaxpr, ()),
+        num_consts=body.num_consts + len(consts),
+        num_carry=num_ctx_in + num_carry,
+    )
+    out = _compat.bind_equation(
+        eqn.primitive, new_params, [*body.consts, *consts, *ctx_values, *carry, *xs]
+    )
+    carried_out, out = out[:num_ctx_in], out[num_ctx_in:]
+    num_outs = len(out) - len(new_pos)
+    outs, stacked = out[:num_outs], out[num_outs:]
+    values: list[Any] = [None] * num_ctx_out
+    for j, value in zip(carried_pos, carried_out, strict=True):
+        values[j] = value
+    for j, value in zip(new_pos, stacked, strict=True):
+        values[j] = value
+    return HandlerResult(out_spec.unflatten(values), outs)
