@@ -3,6 +3,9 @@
 from ._defaults import default_dispatcher as default_dispatcher
 from ._dispatcher import Dispatcher as Dispatcher
 from ._dispatcher import Handler as Handler
+from ._equations import shard_map_axes as shard_map_axes
+from ._equations import source_line as source_line
+from ._equations import source_location as source_location
 from ._interpreter import Interpreter as Interpreter
 from ._matching import contains_subjaxprs as contains_subjaxprs
 from ._reinterpret import reinterpret as reinterpret
@@ -50,4 +53,7 @@ __all__ = [
     "default_shard_map_handler",
     "default_while_handler",
     "reinterpret",
+    "shard_map_axes",
+    "source_line",
+    "source_location",
 ]

@@ -1,0 +1,49 @@
+"""Facts about an equation that handlers need and that JAX spells differently
+between releases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.extend.core import JaxprEqn
+
+from . import _compat
+
+
+def source_line(eqn: JaxprEqn) -> str:
+    """Where the user's code produced `eqn`: `"file.py:LINE (function)"`.
+
+    **Arguments:**
+
+    - `eqn`: an equation, as handlers receive it.
+
+    **Returns:**
+
+    The innermost user frame of the equation's traceback, or `"unknown"`.
+    """
+    return _compat.source_line(eqn)
+
+
+def source_location(eqn: JaxprEqn) -> tuple[str, int] | None:
+    """`(file, line)` of the user's code that produced `eqn`, or `None`."""
+    return _compat.user_frame(eqn)
+
+
+def shard_map_axes(eqn: JaxprEqn) -> tuple[Any, tuple[Any, ...]]:
+    """The mesh of a `shard_map` equation and the axes its body makes manual, in
+    mesh order.
+
+    **Arguments:**
+
+    - `eqn`: a `shard_map` equation.
+
+    **Returns:**
+
+    `(mesh, manual_axes)`; `manual_axes` is a subset of `mesh.axis_names` for a
+    partial-manual body.
+    """
+    if eqn.primitive.name != "shard_map":
+        raise ValueError(f"shard_map_axes needs a shard_map equation, got {eqn.primitive.name!r}.")
+    mesh = eqn.params["mesh"]
+    manual = _compat.shard_map_manual_axes(eqn.params)
+    return mesh, tuple(a for a in mesh.axis_names if a in manual)
