@@ -2,6 +2,7 @@
 
 from ._defaults import default_dispatcher as default_dispatcher
 from ._dispatcher import Dispatcher as Dispatcher
+from ._effect import define_effect as define_effect
 from ._dispatcher import Handler as Handler
 from ._equations import shard_map_axes as shard_map_axes
 from ._equations import source_line as source_line
@@ -52,6 +53,7 @@ __all__ = [
     "default_scan_handler",
     "default_shard_map_handler",
     "default_while_handler",
+    "define_effect",
     "reinterpret",
     "shard_map_axes",
     "source_line",
