@@ -2,8 +2,8 @@
 
 from ._defaults import default_dispatcher as default_dispatcher
 from ._dispatcher import Dispatcher as Dispatcher
-from ._effect import define_effect as define_effect
 from ._dispatcher import Handler as Handler
+from ._effect import define_effect as define_effect
 from ._equations import shard_map_axes as shard_map_axes
 from ._equations import source_line as source_line
 from ._equations import source_location as source_location

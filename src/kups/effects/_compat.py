@@ -12,18 +12,23 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.extend
+import jax.extend.core
 from jax._src import api_util as _api_util
 from jax._src import core as _core
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info_util
 from jax._src.interpreters import partial_eval as _pe
-from jax._src.sharding_impls import UNSPECIFIED as _UNSPECIFIED
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
+try:  # where JAX 0.10 defines it
+    from jax._src.named_sharding import UNSPECIFIED
+except ImportError:  # older releases
+    pass  # pyright: ignore[reportPrivateImportUsage]
+
 Tracer = _core.Tracer
-UNSPECIFIED = _UNSPECIFIED
 DropVar = _core.DropVar
 ShapedArray = _core.ShapedArray
 

@@ -59,12 +59,12 @@ class Dispatcher:
     ```
     """
 
-    def __init__(self, handlers: Mapping[Primitive | str, Handler] | None = None):
+    def __init__(self, handlers: Mapping[Primitive, Handler] | Mapping[str, Handler] | None = None):
         self._handlers: dict[str, Handler] = {}
         self._rules: list[MatchingRule] = []
         self._fallback: Handler | None = None
         for prim, handler in (handlers or {}).items():
-            self.register_handler(prim, handler)
+            self.register_handler(prim, handler)  # pyright: ignore[reportArgumentType]
 
     def register_handler(self, prim: Primitive | str, handler: Handler) -> Dispatcher:
         """Sends equations of `prim` to `handler`, replacing any handler it had."""

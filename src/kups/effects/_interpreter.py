@@ -132,7 +132,7 @@ class Interpreter:
         fallback = self.dispatcher._fallback
         is_literal = _compat.is_literal
         for eqn, free in zip(jaxpr.eqns, frees, strict=True):
-            invals = [v.val if is_literal(v) else env[v] for v in eqn.invars]
+            invals = [v.val if is_literal(v) else env[v] for v in eqn.invars]  # pyright: ignore[reportAttributeAccessIssue]
             handler = handlers.get(eqn.primitive.name)
             with _compat.equation_context(eqn):
                 if handler is not None:
@@ -149,7 +149,7 @@ class Interpreter:
                 env[v] = val
             for v in free:
                 env.pop(v, None)
-        outs = [v.val if is_literal(v) else env[v] for v in jaxpr.outvars]
+        outs = [v.val if is_literal(v) else env[v] for v in jaxpr.outvars]  # pyright: ignore[reportAttributeAccessIssue]
         return outs, ctx
 
     def _dispatch(
@@ -211,7 +211,7 @@ def _check_outvals(handler: Any, eqn: JaxprEqn, outvals: Any) -> None:
                 f"The handler {_name(handler)} for {where(eqn)} returned a "
                 f"{type(val).__name__} as output {i}, which is not an array."
             ) from err
-        want = var.aval
+        want: Any = var.aval
         if aval.shape != want.shape or aval.dtype != want.dtype:
             raise ValueError(
                 f"The handler {_name(handler)} for {where(eqn)} returned output {i} of "
