@@ -17,17 +17,16 @@ import jax.extend.core
 from jax._src import api_util as _api_util
 from jax._src import core as _core
 from jax._src import linear_util as _lu
+from jax._src import sharding_impls as _sharding_impls
 from jax._src import source_info_util as _source_info_util
 from jax._src.interpreters import partial_eval as _pe
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
-try:  # where JAX 0.10 defines it
-    from jax._src.named_sharding import UNSPECIFIED
-except ImportError:  # older releases
-    pass  # pyright: ignore[reportPrivateImportUsage]
-
+# `jit`'s marker for a sharding left to the compiler (in `sharding_impls` in every
+# release kups supports; JAX 0.10 defines it in `named_sharding` and re-exports it).
+UNSPECIFIED = _sharding_impls.UNSPECIFIED
 Tracer = _core.Tracer
 DropVar = _core.DropVar
 ShapedArray = _core.ShapedArray
