@@ -26,7 +26,7 @@ JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[
 
 # `jit`'s marker for a sharding left to the compiler (in `sharding_impls` in every
 # release kups supports; JAX 0.10 defines it in `named_sharding` and re-exports it).
-UNSPECIFIED = _sharding_impls.UNSPECIFIED
+UNSPECIFIED = _sharding_impls.UNSPECIFIED  # pyright: ignore[reportPrivateImportUsage]
 Tracer = _core.Tracer
 DropVar = _core.DropVar
 ShapedArray = _core.ShapedArray
