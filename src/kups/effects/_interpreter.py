@@ -145,8 +145,10 @@ class Interpreter:
                     ctx, outvals = self._dispatch(fallback, ctx, eqn, invals)
                 else:
                     outvals = _compat.bind_equation(eqn.primitive, eqn.params, invals)
-            for v, val in zip(eqn.outvars, outvals, strict=True):
-                env[v] = val
+            env.update(zip(eqn.outvars, outvals, strict=True))
+            # Drop this frame's reference too, or an output nobody reads would live
+            # until the next equation has run.
+            del outvals
             for v in free:
                 env.pop(v, None)
         outs = [v.val if is_literal(v) else env[v] for v in jaxpr.outvars]  # pyright: ignore[reportAttributeAccessIssue]
