@@ -62,15 +62,10 @@ def bind_equation(primitive: Any, params: dict[str, Any], invals: Sequence[Any])
     return list(out) if primitive.multiple_results else [out]
 
 
-@contextlib.contextmanager
-def equation_context(eqn: JaxprEqn) -> Iterator[None]:
-    """Runs an equation under its source info, name stack and equation context."""
-    name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with (
-        _source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-        eqn.ctx.manager,
-    ):
-        yield
+# An equation runs under `user_context(eqn.source_info.traceback, name_stack=...)`
+# and `eqn.ctx.manager`, as `jax.core.eval_jaxpr` runs it (JAX 0.10).
+user_context = _source_info_util.user_context
+current_name_stack = _source_info_util.current_name_stack
 
 
 def source_line(eqn: JaxprEqn) -> str:

@@ -11,15 +11,18 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from . import _compat
 from ._dispatcher import Dispatcher
-from ._matching import is_control_flow
+from ._matching import contains_subjaxprs, is_control_flow
 from ._types import InterpreterPolicy
 
-# Per jaxpr, the variables whose last use is at each equation (freed after it).
-_LAST_USES: weakref.WeakKeyDictionary[Jaxpr, list[list[Any]]] = weakref.WeakKeyDictionary()
+# Per jaxpr, its walking plan: for each equation, whether it is control flow and
+# the variables whose last use it is (freed after it runs).
+_PLANS: weakref.WeakKeyDictionary[Jaxpr, list[tuple[JaxprEqn, bool, list[Any]]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def _last_uses(jaxpr: Jaxpr) -> list[list[Any]]:
-    cached = _LAST_USES.get(jaxpr)
+def _plan(jaxpr: Jaxpr) -> list[tuple[JaxprEqn, bool, list[Any]]]:
+    cached = _PLANS.get(jaxpr)
     if cached is not None:
         return cached
     last: dict[Any, int] = {}
@@ -38,8 +41,9 @@ def _last_uses(jaxpr: Jaxpr) -> list[list[Any]]:
     for v, i in last.items():
         if 0 <= i < len(jaxpr.eqns):
             frees[i].append(v)
-    _LAST_USES[jaxpr] = frees
-    return frees
+    plan = [(eqn, is_control_flow(eqn), free) for eqn, free in zip(jaxpr.eqns, frees, strict=True)]
+    _PLANS[jaxpr] = plan
+    return plan
 
 
 def where(eqn: JaxprEqn) -> str:
@@ -126,25 +130,32 @@ class Interpreter:
     ) -> tuple[list[Any], Any]:
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(jaxpr.invars, args, strict=True))
-        frees = _last_uses(jaxpr)
         handlers = self.dispatcher._handlers
-        rules = self.dispatcher._rules
+        # The stock rule only says what `is_control_flow` says; skip calling it.
+        rules = [r for r in self.dispatcher._rules if r is not contains_subjaxprs]
         fallback = self.dispatcher._fallback
         is_literal = _compat.is_literal
-        for eqn, free in zip(jaxpr.eqns, frees, strict=True):
+        user_context = _compat.user_context
+        outer_name_stack = _compat.current_name_stack()
+        bind = _compat.bind_equation
+        for eqn, control_flow, free in _plan(jaxpr):
             invals = [v.val if is_literal(v) else env[v] for v in eqn.invars]  # pyright: ignore[reportAttributeAccessIssue]
             handler = handlers.get(eqn.primitive.name)
-            with _compat.equation_context(eqn):
+            source_info = eqn.source_info
+            with (
+                user_context(
+                    source_info.traceback, name_stack=outer_name_stack + source_info.name_stack
+                ),
+                eqn.ctx.manager,
+            ):
                 if handler is not None:
                     ctx, outvals = self._dispatch(handler, ctx, eqn, invals)
-                elif (rules and any(rule(ctx, eqn, invals) for rule in rules)) or is_control_flow(
-                    eqn
-                ):
+                elif control_flow or (rules and any(rule(ctx, eqn, invals) for rule in rules)):
                     outvals = self._unhandled(eqn, invals)
                 elif fallback is not None:
                     ctx, outvals = self._dispatch(fallback, ctx, eqn, invals)
                 else:
-                    outvals = _compat.bind_equation(eqn.primitive, eqn.params, invals)
+                    outvals = bind(eqn.primitive, eqn.params, invals)
             env.update(zip(eqn.outvars, outvals, strict=True))
             # Drop this frame's reference too, or an output nobody reads would live
             # until the next equation has run.
