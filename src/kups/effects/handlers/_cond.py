@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import jax
 from jax.extend.core import JaxprEqn
 
 from .. import _compat
-from .._body import trace_interpreted
-from .._context import diff, split
+from .._body import TracedBody, interpret_fn, trace_body, trace_interpreted
+from .._context import CtxSpec, diff, split
 from .._interpreter import where
 from .._types import HandlerResult
 
@@ -33,16 +35,18 @@ def default_cond_handler(
     for i, other in enumerate(traced[1:], start=1):
         if not other.ctx_out.same_as(first.ctx_out):
             raise ValueError(
-                f"The branches of the cond/switch at {where(eqn)} return different "
+                f"The branches of the cond/switch ({where(eqn)}) return different "
                 f"contexts (branch 0 vs branch {i}):\n"
                 + "\n".join(diff(first.ctx_out, other.ctx_out))
                 + "\nEvery branch must leave the context with the same structure, shapes "
                 "and dtypes: give the other branches the same leaves (for example with "
                 "zeros), or have the handler add them before the cond."
             )
+    traced = _join_varying_ctx(interpreter, branches, spec, traced)
+    first = traced[0]
     # Every branch takes the consts of all branches, then the context and operands.
     all_consts = [c for body in traced for c in body.consts]
-    const_avals = [_compat.aval_of(c) for c in all_consts]
+    const_avals = [v.aval for body in traced for v in body.jaxpr.invars[: body.num_consts]]
     new_branches = []
     offset = 0
     for body in traced:
@@ -60,3 +64,37 @@ def default_cond_handler(
     )
     num_ctx = first.num_ctx_out
     return HandlerResult(first.ctx_out.unflatten(out[:num_ctx]), out[num_ctx:])
+
+
+def _join_varying_ctx(
+    interpreter: Any, branches: Sequence[Any], spec: CtxSpec, traced: list[TracedBody]
+) -> list[TracedBody]:
+    """Inside `shard_map`, JAX 0.10 needs every branch of a cond to return values
+    that vary over the same manual axes. When one branch makes a context leaf
+    per-shard and another leaves it replicated, the branches are traced again with
+    each context leaf cast on the way out to vary over the union of their axes."""
+    out_axes = [[_compat.varying_axes(a) for a in body.ctx_out.avals] for body in traced]
+    joined = [frozenset().union(*axes) for axes in zip(*out_axes, strict=True)]
+    if all(axes == joined for axes in out_axes):
+        return traced
+
+    def cast_out(branch: Any) -> Any:
+        interpret = interpret_fn(interpreter, branch)
+
+        def fn(ctx: Any, *args: Any) -> tuple[list[Any], Any]:
+            outs, new_ctx = interpret(ctx, *args)
+            out_spec, values = split(new_ctx)
+            cast = []
+            for value, want in zip(values, joined, strict=True):
+                missing = want - _compat.varying_axes(_compat.aval_of(value))
+                if missing:
+                    value = jax.lax.pcast(value, tuple(sorted(missing, key=str)), to="varying")
+                cast.append(value)
+            return outs, out_spec.unflatten(cast)
+
+        return fn
+
+    return [
+        trace_body(interpreter, cast_out(branch), spec, branch.in_avals, name=f"cond branch {i}")
+        for i, branch in enumerate(branches)
+    ]

@@ -10,7 +10,7 @@ from jax.extend.core import JaxprEqn
 
 from .. import _compat
 from .._body import TracedBody, trace_body
-from .._context import CtxSpec, diff, split, uninitialized_paths
+from .._context import CtxSpec, diff, spec_from_avals, split, uninitialized_paths
 from .._interpreter import where
 from .._types import Uninitialized
 
@@ -57,10 +57,10 @@ def resolve_carry(
     spec, values = split(ctx)
     body = trace(spec)
     if body.ctx_out.same_as(spec):
-        return body, spec, values
+        return _vary_like_body(trace, body, spec, values)
     if initializer is None:
         raise ValueError(
-            f"The {kind} body of {where(eqn)} changes the context's structure, shapes "
+            f"The {kind} body ({where(eqn)}) changes the context's structure, shapes "
             f"or dtypes, so the context cannot be a loop carry as it is:\n"
             + "\n".join(diff(spec, body.ctx_out))
             + "\nPass an initializer that builds the context the loop starts with, e.g. "
@@ -72,7 +72,7 @@ def resolve_carry(
     missing = uninitialized_paths(init_ctx)
     if missing:
         raise ValueError(
-            f"The initializer for the {kind} of {where(eqn)} left context leaves "
+            f"The initializer for the {kind} ({where(eqn)}) left context leaves "
             f"Uninitialized: {', '.join('ctx' + p for p in missing)}. Give each a "
             f"starting value (for example jnp.zeros(leaf.shape, leaf.dtype))."
         )
@@ -80,13 +80,35 @@ def resolve_carry(
     body = trace(init_spec)
     if not body.ctx_out.same_as(init_spec):
         raise ValueError(
-            f"The {kind} body of {where(eqn)} does not return the context its "
+            f"The {kind} body ({where(eqn)}) does not return the context its "
             f"initializer built; a loop carry must keep its structure, shapes and "
             f"dtypes:\n"
             + "\n".join(diff(init_spec, body.ctx_out))
             + "\nMake the initializer return the context the body returns."
         )
-    return body, init_spec, init_values
+    return _vary_like_body(trace, body, init_spec, init_values)
+
+
+def _vary_like_body(
+    trace: Callable[[CtxSpec], TracedBody], body: TracedBody, spec: CtxSpec, values: list[Any]
+) -> tuple[TracedBody, CtxSpec, list[Any]]:
+    """Inside `shard_map`, a loop carry must enter with the manual axes it varies
+    over when it leaves (JAX 0.10 checks `scan` and `while` carries). A context
+    leaf that the body makes vary over more axes (a per-shard count, say) is cast
+    to varying before the loop and the body traced again."""
+    while True:
+        extra = [
+            _compat.varying_axes(out) - _compat.varying_axes(aval)
+            for aval, out in zip(spec.avals, body.ctx_out.avals, strict=True)
+        ]
+        if not any(extra):
+            return body, spec, values
+        values = [
+            jax.lax.pcast(v, tuple(sorted(axes, key=str)), to="varying") if axes else v
+            for v, axes in zip(values, extra, strict=True)
+        ]
+        spec = spec_from_avals(spec, [_compat.aval_of(v) for v in values])
+        body = trace(spec)
 
 
 def with_updater(
@@ -110,7 +132,7 @@ def with_updater(
     updated = trace_body(interpreter, step, body.ctx_in, arg_avals, name=f"{kind} updater")
     if not updated.ctx_out.same_as(body.ctx_in):
         raise ValueError(
-            f"The updater of the {kind} at {where(eqn)} returned a context that differs "
+            f"The updater of the {kind} ({where(eqn)}) returned a context that differs "
             f"from the carried one:\n"
             + "\n".join(diff(body.ctx_in, updated.ctx_out))
             + "\nupdater(carried, new) must return a context like `carried`."
@@ -122,9 +144,20 @@ def _handler_name(kind: str) -> str:
     return "while" if kind == "while_loop" else kind
 
 
-def permute_invars(body: TracedBody, order: Sequence[int]) -> Any:
-    """The body's jaxpr with its invars in `order` (indices into the current ones)."""
+def consts_first(body: TracedBody, num_ctx: int, num_consts: int) -> Any:
+    """The traced body's jaxpr with invars `[body consts, consts, ctx, rest]`.
+
+    It was traced as `[body consts, ctx, consts, rest]`; loop primitives take their
+    consts before their carries, and the context is a carry.
+    """
+    k = body.num_consts
     invars = body.jaxpr.invars
+    order = [
+        *range(k),
+        *range(k + num_ctx, k + num_ctx + num_consts),
+        *range(k, k + num_ctx),
+        *range(k + num_ctx + num_consts, len(invars)),
+    ]
     return _compat.replace_jaxpr(body.jaxpr, invars=[invars[i] for i in order])
 
 

@@ -9,10 +9,10 @@ from jax.tree_util import keystr
 
 from .. import _compat
 from .._body import TracedBody, trace_interpreted
-from .._context import CtxSpec, same_type
+from .._context import CtxSpec, same_type, split
 from .._interpreter import where
 from .._types import HandlerResult, ScanSemantics
-from ._loop import Initializer, Updater, arg_avals_of, permute_invars, resolve_carry, with_updater
+from ._loop import Initializer, Updater, arg_avals_of, consts_first, resolve_carry, with_updater
 
 
 def default_scan_handler(
@@ -72,7 +72,7 @@ def default_scan_handler(
 
     body, spec, ctx_values = resolve_carry(eqn, "scan", trace, ctx, initializer)
     body = with_updater(interpreter, eqn, "scan", body, arg_avals, updater)
-    jaxpr = _scan_order(body, spec.num_values, num_consts)
+    jaxpr = consts_first(body, spec.num_values, num_consts)
     new_params = _compat.scan_params(
         params,
         jaxpr=_compat.new_closed_jaxpr(jaxpr, ()),
@@ -86,22 +86,6 @@ def default_scan_handler(
     return HandlerResult(body.ctx_out.unflatten(out[:num_ctx]), out[num_ctx:])
 
 
-def _scan_order(body: TracedBody, num_ctx: int, num_consts: int) -> Any:
-    """The traced body's jaxpr with invars `[body consts, consts, ctx, carry, xs]`.
-
-    It was traced as `[body consts, ctx, consts, carry, xs]`.
-    """
-    k = body.num_consts
-    total = len(body.jaxpr.invars)
-    order = [
-        *range(k),
-        *range(k + num_ctx, k + num_ctx + num_consts),
-        *range(k, k + num_ctx),
-        *range(k + num_ctx + num_consts, total),
-    ]
-    return permute_invars(body, order)
-
-
 def _scan_result(
     eqn: JaxprEqn,
     ctx: Any,
@@ -110,8 +94,6 @@ def _scan_result(
     carry: list[Any],
     xs: list[Any],
 ) -> HandlerResult:
-    from .._context import split
-
     spec, ctx_values = split(ctx)
     body = trace(spec)
     out_spec = body.ctx_out
@@ -124,7 +106,7 @@ def _scan_result(
         if j is None or not same_type(spec.avals[i], out_spec.avals[j]):
             now = "removes it" if j is None else f"makes it {out_spec.avals[j].str_short()}"
             raise ValueError(
-                f"The scan body of {where(eqn)} {now}, but context leaf "
+                f"The scan body ({where(eqn)}) {now}, but context leaf "
                 f"ctx{keystr(path)} ({spec.avals[i].str_short()}) existed before the "
                 f"scan: with ScanSemantics.RESULT, existing leaves are carried and must "
                 f"keep their shape and dtype. Leave it as it is, or use "
@@ -135,7 +117,7 @@ def _scan_result(
     new_pos = [j for j in range(len(out_paths)) if j not in carried]
 
     num_ctx_in, num_ctx_out = spec.num_values, out_spec.num_values
-    jaxpr = _scan_order(body, num_ctx_in, len(consts))
+    jaxpr = consts_first(body, num_ctx_in, len(consts))
     outvars = jaxpr.outvars
     ctx_outvars, rest = outvars[:num_ctx_out], outvars[num_ctx_out:]
     num_carry = len(carry)

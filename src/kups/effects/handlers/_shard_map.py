@@ -35,7 +35,7 @@ def _flat_specs(
         full = spec.treedef.flatten_up_to(declared)
     except (ValueError, TypeError) as err:
         raise ValueError(
-            f"{what} for the shard_map at {where(eqn)} returned a structure that does not "
+            f"{what} for the shard_map ({where(eqn)}) returned a structure that does not "
             f"match the context: expected one PartitionSpec, or a pytree with the "
             f"context's structure {spec.treedef} holding a PartitionSpec per leaf; got "
             f"{declared!r} ({err})."
@@ -46,7 +46,7 @@ def _flat_specs(
             continue
         if not _is_spec(leaf):
             raise ValueError(
-                f"{what} for the shard_map at {where(eqn)} gave ctx{keystr(path)} "
+                f"{what} for the shard_map ({where(eqn)}) gave ctx{keystr(path)} "
                 f"{leaf!r}, which is not a jax.sharding.PartitionSpec."
             )
         specs.append(leaf)
@@ -122,7 +122,7 @@ def default_shard_map_handler(
             reduced = reduce_ctx(new_ctx)
             if jax.tree.structure(reduced) != jax.tree.structure(new_ctx):
                 raise ValueError(
-                    f"reduce_ctx for the shard_map at {where(eqn)} changed the context's "
+                    f"reduce_ctx for the shard_map ({where(eqn)}) changed the context's "
                     f"tree structure from {jax.tree.structure(new_ctx)} to "
                     f"{jax.tree.structure(reduced)}; it must return a context of the same "
                     f"structure (reduce each leaf, e.g. jax.tree.map(lambda v: "
@@ -182,7 +182,7 @@ def _check_replication(
             )
             raise ValueError(
                 f"Context leaf ctx{keystr(path)} ({aval.str_short()}) differs between the "
-                f"shards of mesh axes {axes} when it leaves the shard_map at {where(eqn)}, "
+                f"shards of mesh axes {axes} when it leaves the shard_map ({where(eqn)}), "
                 f"but its out-spec {pspec} says it is replicated over them ({hint}). "
                 f"Reduce it across the shards in reduce_ctx (for example "
                 f"reduce_ctx=lambda ctx: jax.tree.map(lambda v: jax.lax.psum(v, {axes!r}), "
