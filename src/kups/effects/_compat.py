@@ -8,6 +8,7 @@ kups imports only public JAX and this module.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -68,14 +69,28 @@ user_context = _source_info_util.user_context
 current_name_stack = _source_info_util.current_name_stack
 
 
+# kups' own frames are not the user's: an effect bound by `define_effect`'s
+# `bind` (or by `kups.harvest.sow`) is attributed to the caller of kups.
+_KUPS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _user_frame(eqn: JaxprEqn) -> Any:
+    frames = _source_info_util.user_frames(eqn.source_info.traceback)
+    return next((f for f in frames if not f.file_name.startswith(_KUPS_DIR)), None)
+
+
 def source_line(eqn: JaxprEqn) -> str:
     """`file.py:LINE (function)` of the user's code that produced `eqn`."""
-    return _source_info_util.summarize(eqn.source_info)
+    frame = _user_frame(eqn)
+    if frame is None:
+        return "unknown"
+    column = f":{frame.start_column}" if frame.start_column else ""
+    return f"{frame.file_name}:{frame.start_line}{column} ({frame.function_name})"
 
 
 def user_frame(eqn: JaxprEqn) -> tuple[str, int] | None:
     """`(file, line)` of the user's code that produced `eqn`, if known."""
-    frame = _source_info_util.user_frame(eqn.source_info.traceback)
+    frame = _user_frame(eqn)
     if frame is None:
         return None
     return frame.file_name, frame.start_line
