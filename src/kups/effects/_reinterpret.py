@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 
 from ._interpreter import Interpreter
 
@@ -68,7 +69,17 @@ def reinterpret(fn: Callable[..., Any], interpreter: Interpreter) -> Callable[..
 
         closed = jax.make_jaxpr(flat_fn)(*dyn_leaves)
         outs, ctx = interpreter(closed, ctx, *dyn_leaves)
+        outs = [_as_array(out) for out in outs]
         out_tree, out_static_part = out_static[0]
         return eqx.combine(jax.tree.unflatten(out_tree, outs), out_static_part), ctx
 
     return wrapped
+
+
+def _as_array(value: Any) -> Any:
+    """An output that the jaxpr holds as a literal (a `TypedFloat`, a NumPy scalar)
+    as the `jax.Array` that calling the function returns."""
+    if isinstance(value, jax.Array):
+        return value
+    aval = jax.typeof(value)
+    return jnp.asarray(value) if aval.weak_type else jnp.asarray(value, dtype=aval.dtype)
