@@ -159,7 +159,17 @@ def default_shard_map_handler(
         in_specs=(*const_specs, *in_specs, *params["in_specs"]),
         out_specs=(*out_specs, *params["out_specs"]),
     )
-    out = _compat.bind_equation(eqn.primitive, new_params, [*body.consts, *ctx_values, *invals])
+    args = [*body.consts, *ctx_values, *invals]
+
+    def bind(*args: Any) -> list[Any]:
+        return _compat.bind_equation(eqn.primitive, new_params, args)
+
+    if any(isinstance(a, _compat.Tracer) for a in args):
+        out = bind(*args)
+    else:
+        # Run eagerly, JAX 0.10.2 fails on a shard_map nested in this one that takes a
+        # replicated (P()) input, as the context always is: run it compiled instead.
+        out = jax.jit(bind)(*args)
     num_ctx = out_spec.num_values
     return HandlerResult(out_spec.unflatten(out[:num_ctx]), out[num_ctx:])
 
