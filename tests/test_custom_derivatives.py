@@ -1,0 +1,297 @@
+"""`default_custom_jvp_handler` / `default_custom_vjp_handler`: the primal body is
+interpreted with the context, and derivatives still come from the user's rules.
+Every rule here differs from the true derivative, so a test fails if the rule is
+bypassed (JAX differentiating the interpreted body instead)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kups.effects import HandlerResult, Interpreter, default_dispatcher, reinterpret
+
+# ---------------------------------------------------------------- helpers
+
+
+def count_sin(interpreter, ctx, eqn, invals):
+    return HandlerResult(ctx + 1, [jnp.sin(invals[0])])
+
+
+def record_sin(interpreter, ctx, eqn, invals):
+    (x,) = invals
+    return HandlerResult(dict(ctx, seen=ctx["seen"] + jnp.sum(x)), [jnp.sin(x)])
+
+
+def interpreter_with(handler=count_sin):
+    return Interpreter(default_dispatcher().register_handler("sin", handler))
+
+
+@jax.custom_jvp
+def sin_jvp(x):
+    return jnp.sin(x)
+
+
+@sin_jvp.defjvp
+def _sin_jvp_rule(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return sin_jvp(x), 10.0 * t  # not cos(x): the rule must be the one used
+
+
+@jax.custom_vjp
+def sin_vjp(x):
+    return jnp.sin(x)
+
+
+def _sin_vjp_fwd(x):
+    return sin_vjp(x), x
+
+
+def _sin_vjp_bwd(x, g):
+    return (-3.0 * g,)  # not cos(x) * g
+
+
+sin_vjp.defvjp(_sin_vjp_fwd, _sin_vjp_bwd)
+
+X = jnp.array([0.1, 0.5, 2.0])
+
+
+# ---------------------------------------------------------------- custom_jvp
+
+
+def test_custom_jvp_primal_is_interpreted():
+    f = lambda x: sin_jvp(x) * 2  # noqa: E731
+    out, ctx = reinterpret(f, interpreter_with())(jnp.int32(0), X)
+    assert int(ctx) == 1
+    np.testing.assert_allclose(out, 2 * np.sin(X), rtol=1e-6)
+
+
+def test_custom_jvp_grad_uses_rule():
+    interpret = reinterpret(sin_jvp, interpreter_with())
+
+    def loss(x):
+        out, ctx = interpret(jnp.int32(0), x)
+        return jnp.sum(out), ctx
+
+    grad, ctx = jax.grad(loss, has_aux=True)(X)
+    np.testing.assert_allclose(grad, 10.0 * np.ones(3))
+    assert int(ctx) == 1
+    np.testing.assert_allclose(jax.jit(jax.grad(loss, has_aux=True))(X)[0], 10.0 * np.ones(3))
+
+
+def test_custom_jvp_jvp_uses_rule():
+    interpret = reinterpret(sin_jvp, interpreter_with())
+    tangent = jnp.array([1.0, 2.0, 3.0])
+    (out, ctx), (out_dot, ctx_dot) = jax.jvp(lambda x: interpret(jnp.int32(0), x), (X,), (tangent,))
+    np.testing.assert_allclose(out, np.sin(X), rtol=1e-6)
+    np.testing.assert_allclose(out_dot, 10.0 * tangent)
+    assert int(ctx) == 1
+    assert ctx_dot.dtype == jax.dtypes.float0
+
+
+def test_custom_jvp_second_order_uses_rule():
+    interpret = reinterpret(sin_jvp, interpreter_with())
+    first = jax.grad(lambda x: interpret(jnp.int32(0), x)[0])
+    np.testing.assert_allclose(first(0.3), 10.0)
+    np.testing.assert_allclose(jax.grad(first)(0.3), 0.0)
+
+
+def test_custom_jvp_library_rule_relu():
+    # relu's custom rule gives 0 at 0; differentiating max(x, 0) would give 0.5.
+    out_grad = jax.grad(lambda x: reinterpret(jax.nn.relu, interpreter_with())(0, x)[0])(0.0)
+    assert float(out_grad) == float(jax.grad(jax.nn.relu)(0.0)) == 0.0
+    assert float(jax.grad(lambda x: jnp.maximum(x, 0.0))(0.0)) == 0.5
+
+
+def test_custom_jvp_nondiff_argnums_static():
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+    def scaled(n, x):
+        return jnp.sin(x) * n
+
+    @scaled.defjvp
+    def _rule(n, primals, tangents):
+        return scaled(n, primals[0]), 100.0 * n * tangents[0]
+
+    interpret = reinterpret(lambda x: scaled(3, x), interpreter_with())
+    out, ctx = interpret(jnp.int32(0), X)
+    np.testing.assert_allclose(out, 3 * np.sin(X), rtol=1e-6)
+    assert int(ctx) == 1
+    grad = jax.grad(lambda x: jnp.sum(interpret(jnp.int32(0), x)[0]))(X)
+    np.testing.assert_allclose(grad, 300.0 * np.ones(3))
+
+
+def test_custom_jvp_nondiff_argnums_callable():
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+    def apply(fn, x):
+        return fn(x)
+
+    @apply.defjvp
+    def _rule(fn, primals, tangents):
+        return apply(fn, primals[0]), 7.0 * tangents[0]
+
+    interpret = reinterpret(lambda x: apply(jnp.sin, x), interpreter_with())
+    out, ctx = interpret(jnp.int32(0), X)
+    assert int(ctx) == 1
+    np.testing.assert_allclose(out, np.sin(X), rtol=1e-6)
+    grad = jax.grad(lambda x: jnp.sum(interpret(jnp.int32(0), x)[0]))(X)
+    np.testing.assert_allclose(grad, 7.0 * np.ones(3))
+
+
+def test_custom_jvp_under_vmap():
+    interpret = reinterpret(sin_jvp, interpreter_with())
+    xs = jnp.stack([X, X + 1])
+    out, ctx = jax.vmap(interpret, in_axes=(None, 0))(jnp.int32(0), xs)
+    np.testing.assert_allclose(out, np.sin(xs), rtol=1e-6)
+    np.testing.assert_array_equal(ctx, [1, 1])
+    grads = jax.vmap(jax.grad(lambda x: jnp.sum(interpret(jnp.int32(0), x)[0])))(xs)
+    np.testing.assert_allclose(grads, 10.0 * np.ones((2, 3)))
+
+
+def test_custom_jvp_float_ctx_and_multiple_outputs():
+    @jax.custom_jvp
+    def two(x, y):
+        return jnp.sin(x) * y, jnp.sin(y)
+
+    @two.defjvp
+    def _rule(primals, tangents):
+        (x, y), (tx, ty) = primals, tangents
+        return two(x, y), (2.0 * tx + 5.0 * ty, -ty)
+
+    interpret = reinterpret(two, interpreter_with(record_sin))
+    ctx = {"seen": jnp.float32(0.0)}
+    (a, b), new_ctx = interpret(ctx, jnp.float32(0.5), jnp.float32(1.5))
+    np.testing.assert_allclose(new_ctx["seen"], 2.0)
+    np.testing.assert_allclose([a, b], [np.sin(0.5) * 1.5, np.sin(1.5)], rtol=1e-6)
+    _, (da, db) = jax.jvp(
+        lambda x, y: interpret(ctx, x, y)[0], (jnp.float32(0.5), jnp.float32(1.5)), (1.0, 1.0)
+    )
+    np.testing.assert_allclose([da, db], [7.0, -1.0])
+
+
+def test_custom_jvp_inside_jit_and_scan():
+    @jax.jit
+    def f(x):
+        return jax.lax.scan(lambda c, _: (sin_jvp(c), None), x, None, length=3)[0]
+
+    interpret = reinterpret(f, interpreter_with())
+    out, ctx = interpret(jnp.int32(0), jnp.float32(0.4))
+    assert int(ctx) == 3
+    np.testing.assert_allclose(out, f(0.4), rtol=1e-6)
+    grad = jax.grad(lambda x: interpret(jnp.int32(0), x)[0])(0.4)
+    np.testing.assert_allclose(grad, 1000.0, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- custom_vjp
+
+
+def test_custom_vjp_primal_is_interpreted():
+    out, ctx = reinterpret(lambda x: sin_vjp(x) + 1, interpreter_with())(jnp.int32(0), X)
+    assert int(ctx) == 1
+    np.testing.assert_allclose(out, np.sin(X) + 1, rtol=1e-6)
+
+
+def test_custom_vjp_grad_uses_rule():
+    interpret = reinterpret(sin_vjp, interpreter_with())
+
+    def loss(x):
+        out, ctx = interpret(jnp.int32(0), x)
+        return jnp.sum(out), ctx
+
+    grad, ctx = jax.grad(loss, has_aux=True)(X)
+    np.testing.assert_allclose(grad, -3.0 * np.ones(3))
+    assert int(ctx) == 1
+    jit_grad, jit_ctx = jax.jit(jax.grad(loss, has_aux=True))(X)
+    np.testing.assert_allclose(jit_grad, -3.0 * np.ones(3))
+    assert int(jit_ctx) == 1
+
+
+def test_custom_vjp_vjp_uses_rule():
+    interpret = reinterpret(sin_vjp, interpreter_with())
+    out, pullback = jax.vjp(lambda x: interpret(jnp.int32(0), x)[0], X)
+    np.testing.assert_allclose(out, np.sin(X), rtol=1e-6)
+    (cotangent,) = pullback(jnp.array([1.0, 2.0, 3.0]))
+    np.testing.assert_allclose(cotangent, [-3.0, -6.0, -9.0])
+
+
+def test_custom_vjp_residuals_from_fwd():
+    @jax.custom_vjp
+    def f(x):
+        return jnp.sin(x)
+
+    def fwd(x):
+        return f(x), (x * 2, jnp.cos(x))
+
+    def bwd(res, g):
+        doubled, _ = res
+        return (doubled * g,)  # d/dx claims 2x
+
+    f.defvjp(fwd, bwd)
+    interpret = reinterpret(f, interpreter_with())
+    grad = jax.grad(lambda x: interpret(jnp.int32(0), x)[0])(1.5)
+    np.testing.assert_allclose(grad, 3.0)
+
+
+def test_custom_vjp_nondiff_argnums():
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def scaled(n, x):
+        return jnp.sin(x) * n
+
+    def fwd(n, x):
+        return scaled(n, x), None
+
+    def bwd(n, res, g):
+        return (100.0 * n * g,)
+
+    scaled.defvjp(fwd, bwd)
+    interpret = reinterpret(lambda x: scaled(2, x), interpreter_with())
+    out, ctx = interpret(jnp.int32(0), X)
+    assert int(ctx) == 1
+    np.testing.assert_allclose(out, 2 * np.sin(X), rtol=1e-6)
+    grad = jax.grad(lambda x: jnp.sum(interpret(jnp.int32(0), x)[0]))(X)
+    np.testing.assert_allclose(grad, 200.0 * np.ones(3))
+
+
+def test_custom_vjp_under_vmap():
+    interpret = reinterpret(sin_vjp, interpreter_with())
+    xs = jnp.stack([X, 2 * X])
+    out, ctx = jax.vmap(interpret, in_axes=(None, 0))(jnp.int32(0), xs)
+    np.testing.assert_allclose(out, np.sin(xs), rtol=1e-6)
+    np.testing.assert_array_equal(ctx, [1, 1])
+    grads = jax.vmap(jax.grad(lambda x: jnp.sum(interpret(jnp.int32(0), x)[0])))(xs)
+    np.testing.assert_allclose(grads, -3.0 * np.ones((2, 3)))
+    grads = jax.grad(lambda xs: jnp.sum(jax.vmap(interpret, in_axes=(None, 0))(0, xs)[0]))(xs)
+    np.testing.assert_allclose(grads, -3.0 * np.ones((2, 3)))
+
+
+def test_custom_vjp_with_float_ctx_under_grad():
+    interpret = reinterpret(sin_vjp, interpreter_with(record_sin))
+
+    def loss(x):
+        out, ctx = interpret({"seen": jnp.float32(1.0)}, x)
+        return jnp.sum(out), ctx
+
+    grad, ctx = jax.grad(loss, has_aux=True)(X)
+    np.testing.assert_allclose(grad, -3.0 * np.ones(3))
+    np.testing.assert_allclose(ctx["seen"], 1.0 + float(jnp.sum(X)), rtol=1e-6)
+
+
+def test_custom_vjp_inside_jit():
+    f = jax.jit(lambda x: sin_vjp(sin_vjp(x)))
+    interpret = reinterpret(f, interpreter_with())
+    out, ctx = interpret(jnp.int32(0), jnp.float32(0.7))
+    assert int(ctx) == 2
+    np.testing.assert_allclose(out, f(0.7), rtol=1e-6)
+    grad = jax.grad(lambda x: interpret(jnp.int32(0), x)[0])(0.7)
+    np.testing.assert_allclose(grad, 9.0)
+
+
+@pytest.mark.parametrize("kind", ["jvp", "vjp"])
+def test_identity_matches_plain_jax(kind):
+    f = sin_jvp if kind == "jvp" else sin_vjp
+    interpret = reinterpret(f, Interpreter(default_dispatcher()))
+    out, ctx = interpret({"k": jnp.ones(2)}, X)
+    np.testing.assert_array_equal(out, f(X))
+    np.testing.assert_array_equal(ctx["k"], jnp.ones(2))
+    grad = jax.grad(lambda x: jnp.sum(interpret({"k": jnp.ones(2)}, x)[0]))(X)
+    np.testing.assert_allclose(grad, jax.grad(lambda x: jnp.sum(f(x)))(X))
