@@ -214,7 +214,8 @@ def _check_outvals(handler: Any, eqn: JaxprEqn, outvals: Any) -> None:
         raise ValueError(
             f"The handler {_name(handler)} for {where(eqn)} returned {len(outvals)} "
             f"outvals; the equation has {len(eqn.outvars)} outputs "
-            f"({', '.join(v.aval.str_short() for v in eqn.outvars)})."
+            f"({', '.join(v.aval.str_short() for v in eqn.outvars)}). Return a list with "
+            f"one value per output, in the order of eqn.outvars."
         )
     for i, (var, val) in enumerate(zip(eqn.outvars, outvals, strict=True)):
         try:
@@ -222,7 +223,8 @@ def _check_outvals(handler: Any, eqn: JaxprEqn, outvals: Any) -> None:
         except TypeError as err:
             raise TypeError(
                 f"The handler {_name(handler)} for {where(eqn)} returned a "
-                f"{type(val).__name__} as output {i}, which is not an array."
+                f"{type(val).__name__} as output {i}, which is not an array. Return an "
+                f"array (or a tracer) of type {var.aval.str_short()} for it."
             ) from err
         want: Any = var.aval
         if aval.shape != want.shape or aval.dtype != want.dtype:
