@@ -574,3 +574,42 @@ def test_cond_inside_shard_map_ctx_per_shard(mesh42):
     sums = block_sums(X, 2, 2)  # 6, 22, 38, 54
     np.testing.assert_allclose(ctx["seen"], np.where(sums > 20, sums, 0.0))
     np.testing.assert_allclose(out, f(X), rtol=1e-6)
+
+
+def test_body_interpreted_once_per_trace(mesh42):
+    calls = []
+
+    def count_calls(interpreter, ctx, eqn, invals):
+        calls.append(eqn)
+        return count_sin(interpreter, ctx, eqn, invals)
+
+    f_shard = full_manual(mesh42)
+
+    def f(x):
+        def step(carry, _):
+            return jax.lax.scan(lambda c, _: (f_shard(c), None), carry, None, length=2)[0], None
+
+        return jax.lax.scan(step, x, None, length=2)[0]
+
+    out, ctx = jax.jit(reinterpret(f, interpreter_with(count_calls, counting_shard_map)))(
+        jnp.int32(0), X
+    )
+    assert int(ctx) == 2 * 2 * 8
+    assert len(calls) == 1  # one sin equation, traced once despite the nesting
+    np.testing.assert_allclose(out, f(X), rtol=1e-6)
+
+
+def test_grad_with_per_shard_float_ctx(mesh42):
+    handler = functools.partial(
+        default_shard_map_handler, declare_ctx_out_specs=lambda t: P(("x", "y"))
+    )
+    f = full_manual(mesh42, lambda a: jnp.sin(a) * a)
+    interpret = reinterpret(f, interpreter_with(record_sin, handler))
+
+    def loss(x):
+        out, ctx = interpret({"seen": jnp.zeros(1)}, x)
+        return jnp.sum(out), ctx
+
+    grad, ctx = jax.grad(loss, has_aux=True)(X)
+    np.testing.assert_allclose(grad, jax.grad(lambda x: jnp.sum(f(x)))(X), rtol=1e-5)
+    np.testing.assert_allclose(ctx["seen"], block_sums(X, 2, 1))
