@@ -1,0 +1,394 @@
+"""The interpreter's walk: source info, name stacks, freeing values, consts,
+literals and dropped outputs."""
+
+import gc
+import sys
+import traceback
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.extend.core import ClosedJaxpr, DropVar, Literal, jaxprs_in_params
+
+from kups.effects import (
+    Dispatcher,
+    HandlerResult,
+    Interpreter,
+    InterpreterPolicy,
+    default_dispatcher,
+    default_primitive_handler,
+    reinterpret,
+    source_line,
+    source_location,
+)
+
+X = jnp.array([0.5, -1.5, 2.5, 0.25], jnp.float32)
+LINES: dict[str, int] = {}
+
+
+def _next_line() -> int:
+    """The line after the caller's current one."""
+    return sys._getframe(1).f_lineno + 1
+
+
+def count_handler(interpreter, ctx, eqn, invals):
+    result = default_primitive_handler(interpreter, ctx, eqn, invals)
+    return HandlerResult(ctx + 1, result.outvals)
+
+
+# ---------------------------------------------------------------------------
+# Source info: errors and handlers see the user's line.
+# ---------------------------------------------------------------------------
+
+
+def user_fn(x):
+    y = x * 2.0
+    LINES["sin"] = _next_line()
+    return jnp.sin(y)
+
+
+def user_scan_fn(x):
+    def body(carry, xi):
+        LINES["scan_sin"] = _next_line()
+        return carry + jnp.sin(xi), None
+
+    return lax.scan(body, 0.0, x)[0]
+
+
+class Boom(Exception):
+    pass
+
+
+def boom_handler(interpreter, ctx, eqn, invals):
+    raise Boom(f"boom at {source_line(eqn)}")
+
+
+def _user_frames(exc: BaseException) -> list[tuple[str, int]]:
+    """Every (file, line) in the tracebacks of `exc` and its causes."""
+    frames = []
+    while exc is not None:
+        frames += [(f.f_code.co_filename, line) for f, line in traceback.walk_tb(exc.__traceback__)]
+        exc = exc.__cause__
+    return frames
+
+
+@pytest.mark.parametrize(("fn", "key"), [(user_fn, "sin"), (user_scan_fn, "scan_sin")])
+def test_raising_handler_points_at_user_line(fn, key):
+    interpreter = Interpreter(default_dispatcher().register_handler("sin", boom_handler))
+    with pytest.raises(Boom) as info:
+        reinterpret(fn, interpreter)(0, X)
+    line = LINES[key]
+    assert f"test_interpreter.py:{line}" in str(info.value)
+    # The traceback JAX attaches (as it does for `eval_jaxpr`) ends at the user's line.
+    assert (__file__, line) in _user_frames(info.value)
+    formatted = "".join(traceback.format_exception(info.value))
+    assert f'"{__file__}", line {line}' in formatted
+
+
+def test_handler_sees_source_location():
+    seen = []
+
+    def handler(interpreter, ctx, eqn, invals):
+        seen.append(source_location(eqn))
+        return default_primitive_handler(interpreter, ctx, eqn, invals)
+
+    interpreter = Interpreter(default_dispatcher().register_handler("sin", handler))
+    reinterpret(user_fn, interpreter)(0, X)
+    reinterpret(user_scan_fn, interpreter)(0, X)
+    assert seen == [(__file__, LINES["sin"]), (__file__, LINES["scan_sin"])]
+
+
+def test_rebind_error_points_at_user_line():
+    """An equation that fails when re-bound (not in a handler) names the user's line."""
+
+    def failing_callback(a):
+        raise Boom("callback failed")
+
+    def fn(x):
+        LINES["bad"] = _next_line()
+        return jax.pure_callback(failing_callback, x, x)
+
+    with pytest.raises(Exception, match="callback failed") as info:
+        reinterpret(fn, Interpreter(default_dispatcher()))(0, X)
+    assert (__file__, LINES["bad"]) in _user_frames(info.value)
+
+
+# ---------------------------------------------------------------------------
+# Name stacks and source info of re-bound equations.
+# ---------------------------------------------------------------------------
+
+
+def scoped_fn(x):
+    with jax.named_scope("outer_scope"):
+        y = jnp.cos(x)
+
+        def body(carry, xi):
+            with jax.named_scope("body_scope"):
+                return carry + jnp.exp(xi) + jnp.sin(xi), None
+
+        z = lax.scan(body, 0.0, y)[0]
+        w = jax.jit(lambda a: jnp.tanh(a) * 2.0)(z)
+    with jax.named_scope("tail_scope"):
+        LINES["tail"] = _next_line()
+        return w + jnp.sin(y).sum()
+
+
+def _eqns(jaxpr, prefix=()):
+    for eqn in jaxpr.eqns:
+        yield prefix, eqn
+        for sub in jaxprs_in_params(eqn.params):
+            yield from _eqns(sub, (*prefix, eqn.primitive.name))
+
+
+def _stacks(fn, *args):
+    """`{(enclosing primitives, primitive): name stack}` of every equation."""
+    return {
+        (where, eqn.primitive.name): str(eqn.source_info.name_stack)
+        for where, eqn in _eqns(jax.make_jaxpr(fn)(*args).jaxpr)
+        if eqn.primitive.name in {"cos", "exp", "sin", "tanh", "scan", "jit", "reduce_sum"}
+    }
+
+
+@pytest.mark.parametrize("handle_sin", [False, True])
+def test_rebound_equations_keep_name_stacks(handle_sin):
+    dispatcher = default_dispatcher()
+    if handle_sin:
+        dispatcher.register_handler("sin", count_handler)
+    interpreted = reinterpret(scoped_fn, Interpreter(dispatcher))
+    stacks = _stacks(interpreted, 0, X)
+    assert stacks[((), "cos")] == "outer_scope"
+    assert stacks[((), "scan")] == "outer_scope"
+    assert stacks[((), "jit")] == "outer_scope"
+    assert stacks[(("scan",), "exp")] == "body_scope"
+    assert stacks[(("scan",), "sin")] == "body_scope"
+    assert stacks[((), "sin")] == "tail_scope"
+    assert stacks[((), "reduce_sum")] == "tail_scope"
+    # The oracle: the same stacks as the function traced by plain JAX.
+    assert stacks == _stacks(scoped_fn, X)
+
+
+def test_caller_name_scope_is_prefixed():
+    interpreted = reinterpret(scoped_fn, Interpreter(default_dispatcher()))
+
+    def caller(ctx, x):
+        with jax.named_scope("caller"):
+            return interpreted(ctx, x)
+
+    stacks = _stacks(caller, 0, X)
+    assert stacks[((), "cos")] == "caller/outer_scope"
+    assert stacks[((), "sin")] == "caller/tail_scope"
+
+
+def test_rebound_equations_keep_user_source_line():
+    interpreted = reinterpret(scoped_fn, Interpreter(default_dispatcher()))
+    jaxpr = jax.make_jaxpr(interpreted)(0, X).jaxpr
+    (sin,) = [e for e in jaxpr.eqns if e.primitive.name == "sin"]
+    assert source_location(sin) == (__file__, LINES["tail"])
+
+
+# ---------------------------------------------------------------------------
+# Values are freed after their last use.
+# ---------------------------------------------------------------------------
+
+
+def test_values_freed_after_last_use():
+    refs: dict[str, weakref.ref] = {}
+    alive: dict[str, dict[str, bool]] = {}
+
+    def record(name):
+        def handler(interpreter, ctx, eqn, invals):
+            gc.collect()
+            alive[name] = {k: r() is not None for k, r in refs.items()}
+            result = default_primitive_handler(interpreter, ctx, eqn, invals)
+            refs[name] = weakref.ref(result.outvals[0])
+            return result
+
+        return handler
+
+    def fn(x):
+        a = jnp.sin(x)  # read only by cos
+        b = jnp.cos(a)  # read by exp and by the final add
+        jnp.log1p(x)  # never read
+        c = jnp.exp(b)
+        d = jnp.tanh(c)
+        return d + b
+
+    names = ["sin", "cos", "log1p", "exp", "tanh"]
+    dispatcher = Dispatcher({name: record(name) for name in names})
+    x = jnp.linspace(0.0, 1.0, 1024)
+    out, _ = reinterpret(fn, Interpreter(dispatcher))(0, x)
+    np.testing.assert_allclose(out, fn(x), rtol=1e-6)
+    assert alive["cos"] == {"sin": True}
+    assert alive["log1p"] == {"sin": False, "cos": True}
+    assert alive["exp"] == {"sin": False, "cos": True, "log1p": False}
+    assert alive["tanh"] == {"sin": False, "cos": True, "log1p": False, "exp": True}
+
+
+def test_live_arrays_do_not_grow_along_a_chain():
+    counts = []
+
+    def probe(interpreter, ctx, eqn, invals):
+        gc.collect()
+        counts.append(len(jax.live_arrays()))
+        return default_primitive_handler(interpreter, ctx, eqn, invals)
+
+    def chain(x):
+        for _ in range(12):
+            x = jnp.sin(x) * 1.5
+        return x
+
+    x = jnp.linspace(0.0, 1.0, 256)
+    out, _ = reinterpret(chain, Interpreter(Dispatcher({"sin": probe})))(0, x)
+    np.testing.assert_allclose(out, chain(x), rtol=1e-5)
+    assert len(counts) == 12
+    # Each step's input replaces the previous one; nothing accumulates.
+    assert max(counts) - min(counts) <= 1, counts
+
+
+# ---------------------------------------------------------------------------
+# Consts, literals, DropVar outputs.
+# ---------------------------------------------------------------------------
+
+
+def test_consts_reach_handlers_and_results():
+    weights = jnp.array([1.0, -2.0, 3.0, 0.5])
+    seen = []
+
+    def mul_handler(interpreter, ctx, eqn, invals):
+        if not isinstance(invals[0], jax.core.Tracer):
+            seen.append([np.asarray(v) for v in invals])
+        return count_handler(interpreter, ctx, eqn, invals)
+
+    def fn(x):
+        return x * weights + np.float32(1.0)
+
+    closed = jax.make_jaxpr(fn)(X)
+    assert len(closed.consts) == 1  # the test exercises constvars
+    interpreter = Interpreter(Dispatcher({"mul": mul_handler}))
+    outs, ctx = interpreter(closed, 0, X)
+    np.testing.assert_allclose(outs[0], X * weights + 1.0)
+    assert ctx == 1
+    (recorded,) = seen
+    np.testing.assert_array_equal(recorded[1], weights)
+    out, ctx = jax.jit(reinterpret(fn, interpreter))(0, X)
+    np.testing.assert_allclose(out, X * weights + 1.0)
+    assert int(ctx) == 1
+
+
+def test_open_jaxpr_with_constvars_is_not_accepted_silently():
+    """An open `Jaxpr` has no const values; interpreting one without constvars works."""
+    closed = jax.make_jaxpr(lambda x: jnp.sin(x) + 1.0)(X)
+    assert not closed.jaxpr.constvars
+    outs, ctx = Interpreter(Dispatcher())(closed.jaxpr, "ctx", X)
+    np.testing.assert_allclose(outs[0], jnp.sin(X) + 1.0)
+    assert ctx == "ctx"
+
+
+def test_literal_inputs_and_outputs():
+    seen = []
+
+    def add_handler(interpreter, ctx, eqn, invals):
+        seen.append((type(eqn.invars[1]) is Literal, np.asarray(invals[1]).item()))
+        return count_handler(interpreter, ctx, eqn, invals)
+
+    def fn(x):
+        return x, 2.5, x + 1.25
+
+    closed = jax.make_jaxpr(fn)(X)
+    assert type(closed.jaxpr.outvars[1]) is Literal
+    outs, ctx = Interpreter(Dispatcher({"add": add_handler}))(closed, 0, X)
+    np.testing.assert_array_equal(outs[0], X)
+    assert float(outs[1]) == 2.5
+    np.testing.assert_allclose(outs[2], X + 1.25)
+    assert seen == [(True, 1.25)]
+    assert ctx == 1
+
+
+def _drop_second_output(closed: ClosedJaxpr, name: str) -> ClosedJaxpr:
+    """`closed` with the second output of its `name` equation a DropVar, and only
+    that equation's first output returned."""
+    jaxpr = closed.jaxpr
+    eqns = list(jaxpr.eqns)
+    (i,) = [k for k, e in enumerate(eqns) if e.primitive.name == name]
+    kept, dropped = eqns[i].outvars[0], eqns[i].outvars[1]
+    eqns[i] = eqns[i].replace(outvars=[kept, DropVar(dropped.aval), *eqns[i].outvars[2:]])
+    return ClosedJaxpr(jaxpr.replace(eqns=eqns, outvars=[kept]), closed.consts)
+
+
+def test_dropvar_output_of_rebound_equation():
+    closed = _drop_second_output(jax.make_jaxpr(lambda x: jnp.split(x, 2))(X), "split")
+    outs, ctx = Interpreter(Dispatcher())(closed, 0, X)
+    np.testing.assert_array_equal(outs[0], X[:2])
+    assert ctx == 0
+
+
+def test_dropvar_output_of_handled_equation():
+    calls = []
+
+    def split_handler(interpreter, ctx, eqn, invals):
+        calls.append(len(eqn.outvars))
+        return count_handler(interpreter, ctx, eqn, invals)
+
+    closed = _drop_second_output(jax.make_jaxpr(lambda x: jnp.split(x, 2))(X), "split")
+    outs, ctx = Interpreter(Dispatcher({"split": split_handler}))(closed, 0, X)
+    np.testing.assert_array_equal(outs[0], X[2:] * 0 + X[:2])
+    assert calls == [2] and ctx == 1
+
+
+def test_dropvar_output_of_control_flow():
+    def fn(x):
+        return lax.scan(lambda c, xi: (c + jnp.sin(xi), c * xi), 0.0, x)
+
+    closed = _drop_second_output(jax.make_jaxpr(fn)(X), "scan")
+    dispatcher = default_dispatcher().register_handler("sin", count_handler)
+    outs, ctx = Interpreter(dispatcher)(closed, 0, X)
+    np.testing.assert_allclose(outs[0], jnp.sum(jnp.sin(X)), rtol=1e-6)
+    assert int(ctx) == X.shape[0]
+
+
+# ---------------------------------------------------------------------------
+# The call itself.
+# ---------------------------------------------------------------------------
+
+
+def test_wrong_number_of_arguments():
+    closed = jax.make_jaxpr(lambda x, y: x + y)(X, X)
+    with pytest.raises(TypeError, match="takes 2 inputs, got 1"):
+        Interpreter(Dispatcher())(closed, 0, X)
+
+
+def test_policy_must_be_an_interpreter_policy():
+    with pytest.raises(TypeError, match="InterpreterPolicy"):
+        Interpreter(Dispatcher(), policy="raise")
+    assert Interpreter(Dispatcher(), InterpreterPolicy.WARN).policy is InterpreterPolicy.WARN
+
+
+def test_label_appears_in_errors_and_repr():
+    interpreter = Interpreter(Dispatcher(), label="my-effect")
+    assert "my-effect" in repr(interpreter)
+    with pytest.raises(NotImplementedError, match="my-effect"):
+        reinterpret(jax.jit(jnp.sin), interpreter)(0, X)
+
+
+def test_context_is_any_pytree_and_passes_through_untouched():
+    ctx = {"name": "static", "fn": jnp.sin, "values": (jnp.zeros(2), None)}
+    out, new_ctx = reinterpret(lambda x: jnp.sin(x) * 2.0, Interpreter(default_dispatcher()))(
+        ctx, X
+    )
+    np.testing.assert_allclose(out, jnp.sin(X) * 2.0)
+    assert new_ctx is ctx
+
+
+def test_interpreting_an_interpreted_function():
+    inner = reinterpret(
+        user_fn, Interpreter(default_dispatcher().register_handler("sin", count_handler))
+    )
+    outer_interpreter = Interpreter(default_dispatcher().register_handler("sin", count_handler))
+    (out, inner_ctx), outer_ctx = reinterpret(inner, outer_interpreter)(10, 0, X)
+    np.testing.assert_allclose(out, jnp.sin(X * 2.0), rtol=1e-6)
+    assert int(inner_ctx) == 1
+    # The outer interpreter sees the sin that the inner handler binds.
+    assert int(outer_ctx) == 11

@@ -1,0 +1,246 @@
+"""`default_while_handler`: the context as a carry through a dynamic number of
+trips, zero-trip loops, initializers and updaters, the condition, and its
+errors."""
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from kups.effects import (
+    HandlerResult,
+    Interpreter,
+    Uninitialized,
+    default_dispatcher,
+    default_while_handler,
+    reinterpret,
+)
+
+LINES: dict[str, int] = {}
+
+
+def _next_line() -> int:
+    return sys._getframe(1).f_lineno + 1
+
+
+def count_sin(interpreter, ctx, eqn, invals):
+    return HandlerResult(ctx + 1, [jnp.sin(invals[0])])
+
+
+def record_sin(interpreter, ctx, eqn, invals):
+    """Counts `sin` and keeps its latest output in a new leaf `ctx["last"]`."""
+    y = jnp.sin(invals[0])
+    return HandlerResult({**ctx, "count": ctx["count"] + 1, "last": y}, [y])
+
+
+def interpreter_with(sin_handler, **while_options):
+    dispatcher = default_dispatcher().register_handler("sin", sin_handler)
+    if while_options:
+        dispatcher.register_handler(
+            "while", functools.partial(default_while_handler, **while_options)
+        )
+    return Interpreter(dispatcher)
+
+
+def grow(x, limit):
+    """Doubles `x` and adds `sin(x)` while `x < limit`; returns `(x, trips)`."""
+
+    def cond(state):
+        return state[0] < limit
+
+    def body(state):
+        x, n = state
+        return x * 2.0 + jnp.sin(x) * 0.0, n + 1
+
+    LINES["while"] = _next_line()
+    return lax.while_loop(cond, body, (x, jnp.int32(0)))
+
+
+def trips_by_hand(x, limit):
+    n = 0
+    while x < limit:
+        x, n = x * 2.0, n + 1
+    return n
+
+
+@pytest.mark.parametrize(("x0", "limit"), [(1.0, 100.0), (3.0, 4.0), (0.5, 1000.0)])
+def test_counter_counts_dynamic_trips(x0, limit):
+    expected_trips = trips_by_hand(x0, limit)
+    (x, trips), ctx = reinterpret(grow, interpreter_with(count_sin))(0, jnp.float32(x0), limit)
+    assert int(trips) == expected_trips
+    assert int(ctx) == expected_trips
+    assert float(x) == x0 * 2.0**expected_trips
+
+
+def test_counter_under_jit_with_traced_bound():
+    interpreted = jax.jit(reinterpret(grow, interpreter_with(count_sin)))
+    for x0, limit in [(1.0, 100.0), (1.0, 1.5), (1.0, 5000.0)]:
+        (_, trips), ctx = interpreted(jnp.int32(10), jnp.float32(x0), jnp.float32(limit))
+        assert int(ctx) == 10 + trips_by_hand(x0, limit) == 10 + int(trips)
+
+
+def test_fori_loop_with_dynamic_bounds():
+    def fn(x, n):
+        return lax.fori_loop(0, n, lambda i, c: c + jnp.sin(c * i), x)
+
+    interpreted = jax.jit(reinterpret(fn, interpreter_with(count_sin)))
+    for n in [0, 1, 7]:
+        out, ctx = interpreted(0, jnp.float32(0.3), n)
+        np.testing.assert_allclose(out, fn(jnp.float32(0.3), n), rtol=1e-6)
+        assert int(ctx) == n
+
+
+def test_context_is_a_true_carry():
+    def handler(interpreter, ctx, eqn, invals):
+        y = jnp.sin(invals[0])
+        return HandlerResult(ctx * 3 + 1, [y])
+
+    (_, trips), ctx = reinterpret(grow, interpreter_with(handler))(jnp.int32(2), 1.0, 20.0)
+    expected = 2
+    for _ in range(int(trips)):
+        expected = expected * 3 + 1
+    assert int(ctx) == expected
+
+
+def test_consts_in_condition_and_body():
+    def fn(x, limit, step):
+        # `limit` is a const of the condition, `step` one of the body.
+        return lax.while_loop(lambda c: c[0] < limit, lambda c: (c[0] + step, jnp.sin(c[1])), x)
+
+    x = (jnp.float32(0.0), jnp.array([0.2, 0.4]))
+    args = (x, jnp.float32(2.0), jnp.float32(0.3))
+    out, ctx = reinterpret(fn, interpreter_with(count_sin))(0, *args)
+    expected = fn(*args)
+    np.testing.assert_allclose(out[1], expected[1], rtol=1e-6)
+    trips = 0
+    value = 0.0
+    while np.float32(value) < 2.0:
+        value = np.float32(value) + np.float32(0.3)
+        trips += 1
+    assert int(ctx) == trips
+
+
+# ---------------------------------------------------------------------------
+# Zero trips, initializers and updaters.
+# ---------------------------------------------------------------------------
+
+
+def test_zero_trip_keeps_context():
+    (x, trips), ctx = reinterpret(grow, interpreter_with(count_sin))(jnp.int32(5), 10.0, 1.0)
+    assert int(trips) == 0 and int(ctx) == 5 and float(x) == 10.0
+
+
+def test_body_adding_leaves_uses_initializer():
+    calls = []
+
+    def initializer(ctx_before, sentinel):
+        calls.append(sentinel)
+        return {**sentinel, "last": jnp.full(sentinel["last"].shape, -1.0)}
+
+    interpreter = interpreter_with(record_sin, initializer=initializer)
+    (x, trips), ctx = reinterpret(grow, interpreter)({"count": jnp.int32(0)}, 1.0, 50.0)
+    (sentinel,) = calls
+    assert isinstance(sentinel["last"], Uninitialized) and sentinel["last"].shape == ()
+    assert int(sentinel["count"]) == 0
+    assert int(ctx["count"]) == int(trips) == trips_by_hand(1.0, 50.0)
+    # The last trip ran on x / 2.
+    np.testing.assert_allclose(ctx["last"], np.sin(float(x) / 2.0), rtol=1e-6)
+
+
+def test_zero_trip_returns_initializer_context():
+    def initializer(ctx_before, sentinel):
+        return {**sentinel, "count": jnp.int32(42), "last": jnp.float32(-7.0)}
+
+    interpreter = interpreter_with(record_sin, initializer=initializer)
+    (_, trips), ctx = reinterpret(grow, interpreter)({"count": jnp.int32(0)}, 10.0, 1.0)
+    assert int(trips) == 0
+    # No entry invented: exactly the initializer's context.
+    assert set(ctx) == {"count", "last"}
+    assert int(ctx["count"]) == 42 and float(ctx["last"]) == -7.0
+    (_, trips), ctx = jax.jit(reinterpret(grow, interpreter))({"count": jnp.int32(0)}, 10.0, 1.0)
+    assert int(ctx["count"]) == 42 and float(ctx["last"]) == -7.0
+
+
+def test_updater_merges_each_trip():
+    def initializer(ctx_before, sentinel):
+        return {**sentinel, "last": jnp.float32(0.0)}
+
+    def updater(carried, new):
+        return {**new, "last": carried["last"] + new["last"]}
+
+    interpreter = interpreter_with(record_sin, initializer=initializer, updater=updater)
+    (_, trips), ctx = reinterpret(grow, interpreter)({"count": jnp.int32(0)}, 1.0, 40.0)
+    xs = [2.0**k for k in range(int(trips))]
+    np.testing.assert_allclose(ctx["last"], np.sum(np.sin(xs)), rtol=1e-5)
+
+
+def test_missing_initializer_is_a_clear_error():
+    with pytest.raises(ValueError, match="initializer") as info:
+        reinterpret(grow, interpreter_with(record_sin))({"count": jnp.int32(0)}, 1.0, 5.0)
+    message = str(info.value)
+    assert "'while'" in message
+    assert f"test_while.py:{LINES['while']}" in message
+    assert "ctx['last']" in message
+    assert "default_while_handler" in message
+
+
+def test_initializer_leaving_uninitialized_is_a_clear_error():
+    interpreter = interpreter_with(record_sin, initializer=lambda before, sentinel: sentinel)
+    with pytest.raises(ValueError, match="Uninitialized") as info:
+        reinterpret(grow, interpreter)({"count": jnp.int32(0)}, 1.0, 5.0)
+    message = str(info.value)
+    assert "'while'" in message and "ctx['last']" in message
+    assert f"test_while.py:{LINES['while']}" in message
+
+
+# ---------------------------------------------------------------------------
+# The condition.
+# ---------------------------------------------------------------------------
+
+
+def sin_in_condition(x):
+    def cond(state):
+        return jnp.sin(state[0]) < 0.9  # `sin` runs once per test of the condition
+
+    def body(state):
+        x, n = state
+        return x + jnp.sin(x) * 0.0 + 0.25, n + 1
+
+    LINES["cond_while"] = _next_line()
+    return lax.while_loop(cond, body, (x, jnp.int32(0)))
+
+
+def test_condition_changing_context_is_a_clear_error():
+    with pytest.raises(ValueError, match="condition") as info:
+        reinterpret(sin_in_condition, interpreter_with(count_sin))(0, jnp.float32(0.0))
+    message = str(info.value)
+    assert "'while'" in message
+    assert f"test_while.py:{LINES['cond_while']}" in message
+    assert "thread_condition=True" in message
+
+
+@pytest.mark.parametrize("x0", [0.0, 0.6, 1.5])
+def test_thread_condition_counts_trips_plus_one(x0):
+    trips = 0
+    x = x0
+    while np.sin(np.float32(x)) < 0.9:
+        x = np.float32(x) + np.float32(0.25)
+        trips += 1
+    interpreter = interpreter_with(count_sin, thread_condition=True)
+    (_, n), ctx = reinterpret(sin_in_condition, interpreter)(0, jnp.float32(x0))
+    assert int(n) == trips
+    # Once per body trip, and once per test of the condition (trips + 1).
+    assert int(ctx) == trips + (trips + 1)
+    (_, n), ctx = jax.jit(reinterpret(sin_in_condition, interpreter))(0, jnp.float32(x0))
+    assert int(ctx) == 2 * trips + 1
+
+
+def test_thread_condition_without_context_changes():
+    interpreter = interpreter_with(count_sin, thread_condition=True)
+    (x, trips), ctx = reinterpret(grow, interpreter)(0, 1.0, 30.0)
+    assert int(ctx) == int(trips) == trips_by_hand(1.0, 30.0)
+    assert float(x) == 32.0
