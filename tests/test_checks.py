@@ -492,3 +492,24 @@ def test_docstring_examples_run(name, capsys):
         assert capsys.readouterr().out == (
             "negative entry -3.0 at iteration 2 (checked_example.py:8)\n"
         )
+
+
+def test_loops_carry_only_the_checks_inside_them():
+    def program(num_checks):
+        def f(xs):
+            for i in range(num_checks):
+                check(xs[i] > 0, "entry {} is {}", i, xs[i])
+            return lax.scan(step_nonnegative, 0.0, xs)
+
+        return f
+
+    def scan_carries(num_checks):
+        jaxpr = jax.make_jaxpr(lambda xs: checked(program(num_checks))(xs))(jnp.ones(5))
+        (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+        return scan.params["num_carry"]
+
+    assert scan_carries(4) == scan_carries(1)
+    error = checked(program(4))(jnp.array([1.0, 2.0, 3.0, 4.0, -5.0]))[1]
+    assert error.get() == f"negative entry -5.0 at iteration 4 ({at('scan body')})"
+    error = checked(program(4))(jnp.array([1.0, 2.0, -3.0, -4.0, -5.0]))[1]
+    assert error.get().startswith("entry 2 is -3.0 (test_checks.py:")

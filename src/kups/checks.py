@@ -638,18 +638,32 @@ def _first_failing_shard(
     return jax.tree.map(select, ctx)
 
 
-def _only_if_checked(handler: Handler) -> Handler:
-    """`handler` for control flow with a check inside; the equation unchanged
-    otherwise, so that check-free parts of a program compile as they are, with no
-    error record threaded through them."""
+def _scoped(handler: Handler) -> Handler:
+    """`handler`, given only the slots of the checks inside the equation.
+
+    Control flow with no check inside is re-bound unchanged, so check-free parts
+    of a program compile as they are; otherwise only the slots it may fill enter
+    the loop carry, the jit's arguments or the shard_map's reduction. The slots
+    keep their order, and new ones come last, as if every slot had gone in (so
+    that the branches of a cond still return the same context).
+    """
 
     @functools.wraps(handler)
     def dispatch(
         interpreter: Interpreter, ctx: _Ctx, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
-        if next(_sites_in(jaxprs_in_params(eqn.params), 0, ()), None) is None:
+        inside = {site.info for site in _sites_in(jaxprs_in_params(eqn.params), 0, ())}
+        if not inside:
             return default_primitive_handler(interpreter, ctx, eqn, invals)
-        return handler(interpreter, ctx, eqn, invals)
+        scoped = dataclasses.replace(
+            ctx, slots=tuple(slot for slot in ctx.slots if slot.site.info in inside)
+        )
+        scoped, outvals = handler(interpreter, scoped, eqn, invals)
+        returned = {slot.site: slot for slot in scoped.slots}
+        slots = tuple(returned.pop(slot.site, slot) for slot in ctx.slots)
+        return HandlerResult(
+            dataclasses.replace(scoped, slots=slots + tuple(returned.values())), outvals
+        )
 
     return dispatch
 
@@ -664,7 +678,7 @@ def _dispatcher() -> Dispatcher:
         "shard_map": _shard_map_handler,
     }
     for name, handler in handlers.items():
-        dispatcher.register_handler(name, _only_if_checked(handler))
+        dispatcher.register_handler(name, _scoped(handler))
     return dispatcher.register_handler(_check_p, _check_handler)
 
 
