@@ -1,0 +1,488 @@
+"""`kups.instrument.count_primitives`, checked against counts worked out by hand
+from each program's structure: which primitives each line binds, and how often
+the control flow around it runs."""
+
+import inspect
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from kups import instrument
+from kups.instrument import PrimitiveCounts, count_primitives
+
+X = jnp.float32(0.5)
+
+
+def assert_trees_close(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(x, y, rtol=1e-6)
+
+
+def counts_of(fn, *args, **kwargs):
+    """The counts of `fn`, eagerly and under `jax.jit`, checked to agree."""
+    out, counts = count_primitives(fn)(*args, **kwargs)
+    assert_trees_close(out, fn(*args, **kwargs))
+    # filter_jit: non-array arguments stay static, as they are for count_primitives.
+    jit_out, jit_counts = eqx.filter_jit(count_primitives(fn))(*args, **kwargs)
+    assert_trees_close(jit_out, out)
+    assert isinstance(counts, PrimitiveCounts)
+    assert isinstance(jit_counts, PrimitiveCounts)
+    assert all(type(count) is int for count in counts.values())
+    assert all(jnp.asarray(count).dtype == jnp.int32 for count in jit_counts.values())
+    assert {name: int(count) for name, count in jit_counts.items()} == counts
+    return counts
+
+
+# ------------------------------------------------------------ straight-line code
+
+
+def test_straight_line():
+    def f(x):
+        return jnp.sin(x) * jnp.cos(x) + x  # sin, cos, mul, add
+
+    assert counts_of(f, X) == {"sin": 1, "cos": 1, "mul": 1, "add": 1}
+
+
+def test_repeated_primitive():
+    def f(x):
+        return jnp.sin(jnp.sin(jnp.sin(x)))
+
+    assert counts_of(f, X) == {"sin": 3}
+
+
+def test_no_primitive():
+    out, counts = count_primitives(lambda x: x)(X)
+    assert out == X
+    assert counts == {}
+
+
+def test_integer_and_static_arguments():
+    # `n` is a Python int, hence static: `x * n` is one `mul` by a literal.
+    def f(x, n, *, scale):
+        return x * n + scale
+
+    counts = counts_of(f, X, 3, scale=2.0)
+    assert counts == {"mul": 1, "add": 1}
+
+
+# ------------------------------------------------------------ control flow, alone
+
+
+def test_jit():
+    @jax.jit
+    def inner(x):
+        return jnp.sin(x) + 1.0  # sin, add
+
+    def f(x):
+        return inner(inner(x)) * 2.0  # two calls, then mul
+
+    assert counts_of(f, X) == {"sin": 2, "add": 2, "mul": 1}
+
+
+@pytest.mark.parametrize("length", [0, 1, 5])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_scan(length, reverse):
+    def f(xs):
+        def body(carry, x):
+            return carry + jnp.sin(x), jnp.cos(x)  # add, sin, cos per iteration
+
+        return lax.scan(body, jnp.float32(0), xs, reverse=reverse)
+
+    xs = jnp.linspace(0.0, 1.0, length)
+    assert counts_of(f, xs) == {"add": length, "sin": length, "cos": length}
+
+
+def test_scan_with_unroll_and_consts():
+    def f(xs, scale):
+        def body(carry, x):
+            return carry * scale + x, None  # mul, add per iteration
+
+        return lax.scan(body, jnp.float32(1), xs, unroll=2)[0]
+
+    assert counts_of(f, jnp.ones(4), jnp.float32(2)) == {"mul": 4, "add": 4}
+
+
+def test_fori_loop():
+    def f(x):
+        # Static bounds make a scan whose body also increments the index (add).
+        return lax.fori_loop(0, 4, lambda i, v: v * 2.0, x)
+
+    assert counts_of(f, X) == {"add": 4, "mul": 4}
+
+
+@pytest.mark.parametrize("trips", [0, 1, 3])
+def test_while(trips):
+    def f(x, n):
+        def cond(state):
+            return state[0] < n  # lt: one time more than the body
+
+        def body(state):
+            i, v = state
+            return i + 1, jnp.sin(v)  # add, sin
+
+        return lax.while_loop(cond, body, (jnp.int32(0), x))
+
+    counts = counts_of(f, X, jnp.int32(trips))
+    assert counts == {"lt": trips + 1, "add": trips, "sin": trips}
+
+
+def test_fori_loop_with_traced_bounds_is_a_while():
+    def f(x, n):
+        return lax.fori_loop(0, n, lambda i, v: v * 2.0, x)
+
+    counts = counts_of(f, X, jnp.int32(3))
+    # The while loop's condition compares (lt) trips + 1 times; its body
+    # increments the index (add) and multiplies, three times each.
+    assert counts == {"lt": 4, "add": 3, "mul": 3}
+
+
+@pytest.mark.parametrize("pred", [False, True])
+def test_cond_counts_only_the_taken_branch(pred):
+    def f(p, x):
+        # The bool predicate becomes an int32 index (convert_element_type).
+        return lax.cond(p, lambda x: jnp.sin(x) * x, jnp.cos, x)
+
+    counts = counts_of(f, jnp.bool_(pred), X)
+    taken = int(pred)
+    # Primitives of the branch not taken are listed with zero.
+    assert counts == {"convert_element_type": 1, "sin": taken, "mul": taken, "cos": 1 - taken}
+
+
+@pytest.mark.parametrize("index", [0, 1, 2, 7])
+def test_switch(index):
+    def f(i, x):
+        # The index is clamped into range (clamp), then one branch runs.
+        return lax.switch(i, [jnp.sin, jnp.cos, lambda x: jnp.tan(x) + x], x)
+
+    taken = min(index, 2)
+    counts = counts_of(f, jnp.int32(index), X)
+    assert counts == {
+        "clamp": 1,
+        "sin": int(taken == 0),
+        "cos": int(taken == 1),
+        "tan": int(taken == 2),
+        "add": int(taken == 2),
+    }
+
+
+def test_checkpoint():
+    def f(x):
+        return jax.checkpoint(lambda x: jnp.sin(jnp.sin(x)))(x) + x
+
+    assert counts_of(f, X) == {"sin": 2, "add": 1}
+
+
+def test_custom_jvp():
+    @jax.custom_jvp
+    def g(x):
+        return jnp.sin(x) * 3.0
+
+    g.defjvp(lambda primals, tangents: (g(primals[0]), tangents[0]))
+
+    def f(x):
+        return g(x) + g(x)
+
+    assert counts_of(f, X) == {"sin": 2, "mul": 2, "add": 1}
+
+
+def test_custom_vjp():
+    @jax.custom_vjp
+    def g(x):
+        return jnp.exp(x)
+
+    g.defvjp(lambda x: (g(x), x), lambda x, ct: (ct,))
+
+    def f(x):
+        return g(g(x))
+
+    assert counts_of(f, X) == {"exp": 2}
+
+
+def test_shard_map_full_manual(mesh42):
+    # 4 x 2 = 8 shards, each runs the body once.
+    def f(x):
+        return jax.shard_map(
+            lambda a: jnp.sin(a) * a, mesh=mesh42, in_specs=P("x", "y"), out_specs=P("x", "y")
+        )(x)
+
+    assert counts_of(f, jnp.ones((8, 4))) == {"sin": 8, "mul": 8}
+
+
+def test_shard_map_partial_manual(mesh42):
+    # Manual over x only: 4 shards.
+    def f(x):
+        return jax.shard_map(
+            lambda a: jnp.sin(a) * a,
+            mesh=mesh42,
+            in_specs=P("x"),
+            out_specs=P("x"),
+            axis_names={"x"},
+        )(x)
+
+    assert counts_of(f, jnp.ones((8, 4))) == {"sin": 4, "mul": 4}
+
+
+def test_shard_map_one_axis_mesh(mesh8):
+    def f(x):
+        return jax.shard_map(lambda a: jnp.cos(a), mesh=mesh8, in_specs=P("i"), out_specs=P("i"))(x)
+
+    assert counts_of(f, jnp.ones(16)) == {"cos": 8}
+
+
+def test_shard_map_with_collective(mesh42):
+    def f(x):
+        def body(a):
+            # exp, then psum on each shard; JAX 0.10 binds a psum whose result is
+            # invariant over the summed axis as `psum_invariant`.
+            return lax.psum(jnp.exp(a), "y")
+
+        return jax.shard_map(body, mesh=mesh42, in_specs=P("x", "y"), out_specs=P("x"))(x)
+
+    assert counts_of(f, jnp.ones((8, 4))) == {"exp": 8, "psum_invariant": 8}
+
+
+def test_shard_map_with_per_shard_trip_counts(mesh42):
+    # Shard (x, y) runs the loop x times: 0 + 1 + 2 + 3 = 6 trips for each y.
+    def f(x):
+        def body(a):
+            n = lax.axis_index("x")  # axis_index, once per shard
+
+            def cond(state):
+                # The invariant counter is cast to varying over x (pvary) to be
+                # compared (lt) with the varying bound.
+                return state[0] < n
+
+            def step(state):
+                return state[0] + 1, jnp.sin(state[1])
+
+            return lax.while_loop(cond, step, (jnp.int32(0), a))[1]
+
+        return jax.shard_map(body, mesh=mesh42, in_specs=P("x", "y"), out_specs=P("x", "y"))(x)
+
+    trips = 2 * (0 + 1 + 2 + 3)
+    assert counts_of(f, jnp.ones((8, 4))) == {
+        "axis_index": 8,
+        "pvary": trips + 8,  # one more per shard
+        "lt": trips + 8,
+        "add": trips,
+        "sin": trips,
+    }
+
+
+# ------------------------------------------------------------ nested control flow
+
+
+@pytest.mark.parametrize("pred", [False, True])
+def test_shard_map_in_cond(mesh42, pred):
+    def f(p, x):
+        sharded = jax.shard_map(
+            lambda a: jnp.sin(a) * a, mesh=mesh42, in_specs=P("x", "y"), out_specs=P("x", "y")
+        )
+        return lax.cond(p, sharded, jnp.cos, x)
+
+    taken = int(pred)
+    counts = counts_of(f, jnp.bool_(pred), jnp.ones((8, 4)))
+    assert counts == {
+        "convert_element_type": 1,
+        "sin": 8 * taken,
+        "mul": 8 * taken,
+        "cos": 1 - taken,
+    }
+
+
+def test_scan_in_scan():
+    def f(xs):
+        def outer(carry, x):
+            def inner(c, y):
+                return c + jnp.sin(y), None  # add, sin: 3 * 4 times
+
+            carry, _ = lax.scan(inner, carry, xs[:3] * x)  # mul: 4 times
+            return carry, jnp.cos(carry)  # cos: 4 times
+
+        return lax.scan(outer, jnp.float32(0), xs)
+
+    counts = counts_of(f, jnp.linspace(0.1, 0.4, 4))
+    # `xs[:3]` is a slice, once per outer iteration.
+    assert counts == {"slice": 4, "mul": 4, "add": 12, "sin": 12, "cos": 4}
+
+
+def test_while_in_scan_in_cond_under_jit():
+    def loop(x, n):
+        # Runs n times (add, mul); the condition (lt) n + 1 times.
+        return lax.while_loop(
+            lambda s: s[0] < n, lambda s: (s[0] + 1, s[1] * 1.5), (jnp.int32(0), x)
+        )[1]
+
+    def scanned(x, ns):
+        return lax.scan(lambda c, n: (loop(c, n), None), x, ns)[0]
+
+    @jax.jit
+    def f(p, x, ns):
+        return lax.cond(p, scanned, lambda x, ns: jnp.exp(x), x, ns)
+
+    ns = jnp.array([2, 0, 3], jnp.int32)
+    trips = 2 + 0 + 3
+    taken = counts_of(f, jnp.bool_(True), X, ns)
+    assert taken == {
+        "convert_element_type": 1,
+        "lt": trips + 3,
+        "add": trips,
+        "mul": trips,
+        "exp": 0,
+    }
+    other = counts_of(f, jnp.bool_(False), X, ns)
+    assert other == {"convert_element_type": 1, "lt": 0, "add": 0, "mul": 0, "exp": 1}
+
+
+def test_cond_in_while():
+    def f(x, n):
+        def body(state):
+            i, v = state
+            # rem, eq, then convert_element_type of the predicate to an index
+            v = lax.cond(lax.rem(i, 2) == 0, jnp.sin, jnp.cos, v)
+            return i + 1, v
+
+        return lax.while_loop(lambda s: s[0] < n, body, (jnp.int32(0), x))
+
+    # i = 0..4: sin on 0, 2, 4 and cos on 1, 3.
+    counts = counts_of(f, X, jnp.int32(5))
+    assert counts == {
+        "lt": 6,
+        "rem": 5,
+        "eq": 5,
+        "convert_element_type": 5,
+        "sin": 3,
+        "cos": 2,
+        "add": 5,
+    }
+
+
+def test_scan_in_shard_map_in_scan(mesh42):
+    def f(init, xs):
+        def body(a):
+            return lax.scan(lambda c, _: (jnp.sin(c), None), a, length=3)[0]
+
+        sharded = jax.shard_map(body, mesh=mesh42, in_specs=P("x", "y"), out_specs=P("x", "y"))
+
+        def step(carry, x):
+            return sharded(carry) * x, None  # mul: once per outer iteration
+
+        return lax.scan(step, init, xs)[0]
+
+    # 2 outer iterations x 8 shards x 3 inner iterations.
+    assert counts_of(f, jnp.ones((8, 4)), jnp.ones(2)) == {"sin": 48, "mul": 2}
+
+
+def test_checkpoint_and_custom_jvp_in_scan():
+    @jax.custom_jvp
+    def g(x):
+        return jnp.tanh(x)
+
+    g.defjvp(lambda primals, tangents: (g(primals[0]), tangents[0]))
+
+    def f(xs):
+        body = jax.checkpoint(lambda c, x: (g(c) + x, None))
+        return lax.scan(body, jnp.float32(0), xs)[0]
+
+    assert counts_of(f, jnp.ones(6)) == {"tanh": 6, "add": 6}
+
+
+# ------------------------------------------------------------ transformations
+
+
+def test_vmap_of_counted_function():
+    def f(x):
+        return jnp.sin(x) + 1.0
+
+    out, counts = jax.vmap(count_primitives(f))(jnp.ones(3))
+    np.testing.assert_allclose(out, f(jnp.ones(3)))
+    # The counts do not depend on the batch: one sin, one add, per element.
+    assert {name: np.asarray(c).tolist() for name, c in counts.items()} == {
+        "sin": [1, 1, 1],
+        "add": [1, 1, 1],
+    }
+
+
+def test_grad_through_counted_function():
+    def f(x):
+        return jnp.sin(x) * 2.0
+
+    grad, counts = jax.grad(lambda x: count_primitives(f)(x), has_aux=True)(X)
+    np.testing.assert_allclose(grad, 2.0 * jnp.cos(X), rtol=1e-6)
+    assert {name: int(c) for name, c in counts.items()} == {"sin": 1, "mul": 1}
+
+
+# ------------------------------------------------------------ PrimitiveCounts
+
+
+def test_primitive_counts_is_a_plain_dict_in_name_order():
+    counts = counts_of(lambda x: jnp.sin(jnp.cos(jnp.sin(x))) + x, X)
+    assert isinstance(counts, dict)
+    assert counts == {"add": 1, "cos": 1, "sin": 2}
+    assert dict(counts) == {"sin": 2, "cos": 1, "add": 1}
+    assert list(counts) == ["add", "cos", "sin"]
+    assert counts.total() == 4
+
+
+def test_primitive_counts_repr_is_a_table_sorted_by_count():
+    counts = PrimitiveCounts({"add": 1, "sin": 12, "cos": 3, "mul": 3})
+    lines = repr(counts).splitlines()
+    assert lines[0] == "PrimitiveCounts("
+    assert lines[-1] == ")"
+    rows = [line.split() for line in lines[3:-1]]
+    assert rows == [["sin", "12"], ["cos", "3"], ["mul", "3"], ["add", "1"]]
+    assert lines[1].split() == ["primitive", "count"]
+    # Right-aligned counts.
+    assert len({len(line) for line in lines[1:-1]}) == 1
+    assert repr(PrimitiveCounts()) == "PrimitiveCounts({})"
+
+
+def test_primitive_counts_html():
+    html = PrimitiveCounts({"a<b": 2, "sin": 5})._repr_html_()
+    assert html.startswith("<table>")
+    assert "<code>a&lt;b</code>" in html
+    assert html.index("sin") < html.index("a&lt;b")  # sorted by count
+    assert re.search(r"<td[^>]*>5</td>", html)
+
+
+def test_primitive_counts_is_a_pytree():
+    counts = PrimitiveCounts({"sin": 2, "add": 1})
+    leaves, treedef = jax.tree.flatten(counts)
+    assert leaves == [1, 2]
+    rebuilt = jax.tree.unflatten(treedef, leaves)
+    assert type(rebuilt) is PrimitiveCounts
+    assert rebuilt == counts
+    doubled = jax.tree.map(lambda c: 2 * c, counts)
+    assert type(doubled) is PrimitiveCounts and doubled == {"sin": 4, "add": 2}
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(counts)[0]]
+    assert paths == ["['add']", "['sin']"]
+
+
+def test_jitted_counts_print():
+    _, counts = jax.jit(count_primitives(lambda x: jnp.sin(x) * x))(X)
+    text = repr(counts)
+    assert "sin" in text and "mul" in text
+    assert re.search(r"sin\s+1\b", text)
+
+
+# ------------------------------------------------------------ errors, docs
+
+
+def test_wrapped_keeps_the_name_of_the_function():
+    def my_function(x):
+        return x
+
+    assert count_primitives(my_function).__name__ == "my_function"
+
+
+def test_docstring_examples_run():
+    for obj in (instrument.count_primitives, instrument.PrimitiveCounts):
+        for block in re.findall(r"```python\n(.*?)```", inspect.getdoc(obj) or "", re.S):
+            exec(compile(block, f"<docstring of {obj.__name__}>", "exec"), {})
