@@ -1,0 +1,590 @@
+"""`find_nans`: the first equation of a program that produced a NaN or an Inf.
+
+A fallback handler re-binds every equation that is not control flow and checks
+its floating outputs with `isfinite`. Each checked equation is a *site*,
+registered on the Python side while tracing (primitive, source line, loops and
+manual mesh axes around it); the context records the index of the first site
+that failed, the loop iterations at that moment and the shard. Loops push an
+iteration counter (advanced by the loop handlers' `updater`); the record's
+iteration vector is padded to the deepest loop nesting inside a loop or `cond`
+before it is entered, so that loop carries and branches keep one shape. A
+`shard_map` body starts with an empty record and hands out the record of the
+first shard, in mesh order, that failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import html
+import os
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
+
+from kups.effects import (
+    Dispatcher,
+    Handler,
+    HandlerResult,
+    Interpreter,
+    contains_subjaxprs,
+    default_cond_handler,
+    default_dispatcher,
+    default_primitive_handler,
+    default_scan_handler,
+    default_shard_map_handler,
+    default_while_handler,
+    reinterpret,
+    shard_map_axes,
+    source_location,
+)
+
+__all__ = ["NanReport", "find_nans"]
+
+# A shard key larger than any shard's linear index: "no NaN on this shard".
+_NO_SHARD = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Site:
+    """An equation that can produce a NaN, as registered while tracing.
+
+    `loop_depth` is the number of loops around it, `manual_axes` the manual mesh
+    axes around it, `((name, size), ...)` in mesh order.
+    """
+
+    primitive: str
+    file: str | None
+    line: int | None
+    loop_depth: int
+    manual_axes: tuple[tuple[Any, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scope:
+    """The manual mesh axes around the current equation (a static context leaf)."""
+
+    manual_axes: tuple[tuple[Any, int], ...] = ()
+
+
+class _State(NamedTuple):
+    """The context `find_nans` threads through the program.
+
+    - `site`: the index of the first equation that produced a NaN/Inf, or -1.
+    - `nan`: whether that equation produced a NaN (otherwise an Inf).
+    - `shard`: the linear index, over the manual axes around that equation in
+      mesh order, of the first shard (in mesh order) where it happened, or -1.
+    - `iterations`: the iteration of each loop around that equation, outermost
+      first, padded with -1 to the deepest loop nesting seen so far.
+    - `counters`: the current iteration of each loop around the current equation.
+    - `scope`: the manual mesh axes around the current equation (static).
+    """
+
+    site: Any
+    nan: Any
+    shard: Any
+    iterations: Any
+    counters: tuple[Any, ...]
+    scope: _Scope
+
+
+def _initial_state() -> _State:
+    return _State(
+        site=jnp.int32(-1),
+        nan=jnp.bool_(False),
+        shard=jnp.int32(-1),
+        iterations=jnp.zeros((0,), jnp.int32),
+        counters=(),
+        scope=_Scope(),
+    )
+
+
+def _pad_iterations(state: _State, length: int) -> _State:
+    """The state with `iterations` padded (with -1) to at least `length` entries."""
+    missing = length - state.iterations.shape[0]
+    if missing <= 0:
+        return state
+    padding = jnp.full((missing,), -1, jnp.int32)
+    return state._replace(iterations=jnp.concatenate([state.iterations, padding]))
+
+
+def _select(pred: Any, new: _State, old: _State) -> _State:
+    """`new` where `pred`, else `old`, for the record fields (not the position)."""
+    length = max(new.iterations.shape[0], old.iterations.shape[0])
+    new, old = _pad_iterations(new, length), _pad_iterations(old, length)
+    return old._replace(
+        site=jnp.where(pred, new.site, old.site),
+        nan=jnp.where(pred, new.nan, old.nan),
+        shard=jnp.where(pred, new.shard, old.shard),
+        iterations=jnp.where(pred, new.iterations, old.iterations),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Static facts about sub-programs.
+# ---------------------------------------------------------------------------
+
+_LOOPS = frozenset({"scan", "while"})
+_LOOP_DEPTH: weakref.WeakKeyDictionary[Jaxpr, int] = weakref.WeakKeyDictionary()
+
+
+def _subjaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:
+    for sub in jaxprs_in_params(eqn.params):
+        yield sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
+
+
+def _eqn_loop_depth(eqn: JaxprEqn) -> int:
+    """How deep loops nest in `eqn`, itself included."""
+    if not contains_subjaxprs(None, eqn, []):
+        return 0
+    inner = max((_loop_depth(sub) for sub in _subjaxprs(eqn)), default=0)
+    return inner + (eqn.primitive.name in _LOOPS)
+
+
+def _loop_depth(jaxpr: Jaxpr) -> int:
+    """How deep loops nest in `jaxpr` and its sub-programs."""
+    depth = _LOOP_DEPTH.get(jaxpr)
+    if depth is None:
+        depth = max((_eqn_loop_depth(eqn) for eqn in jaxpr.eqns), default=0)
+        _LOOP_DEPTH[jaxpr] = depth
+    return depth
+
+
+# ---------------------------------------------------------------------------
+# Handlers.
+# ---------------------------------------------------------------------------
+
+
+class _Sites:
+    """The equations checked during one trace, by index."""
+
+    def __init__(self) -> None:
+        self.sites: list[_Site] = []
+        # The source of the control-flow equations being interpreted, innermost
+        # last: the fallback for an equation with no user frame of its own (JAX
+        # keeps none for `lax.cond(p, jnp.log, ...)`, whose branch is jnp's code).
+        self.enclosing: list[tuple[str, int]] = []
+
+    def add(self, eqn: JaxprEqn, state: _State) -> int:
+        location = source_location(eqn) or (self.enclosing[-1] if self.enclosing else None)
+        file, line = location if location is not None else (None, None)
+        self.sites.append(
+            _Site(eqn.primitive.name, file, line, len(state.counters), state.scope.manual_axes)
+        )
+        return len(self.sites) - 1
+
+
+def _is_float(value: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(value), jnp.inexact)
+
+
+def _check_equation(
+    sites: _Sites, interpreter: Any, state: _State, eqn: JaxprEqn, invals: list[Any]
+) -> HandlerResult:
+    """The fallback handler: re-binds the equation and checks its float outputs."""
+    outvals = default_primitive_handler(interpreter, state, eqn, invals).outvals
+    floats = [value for value in outvals if _is_float(value)]
+    if not floats:
+        return HandlerResult(state, outvals)
+    site = sites.add(eqn, state)
+    bad = functools.reduce(jnp.logical_or, [~jnp.isfinite(value).all() for value in floats])
+    nan = functools.reduce(jnp.logical_or, [jnp.isnan(value).any() for value in floats])
+    first = bad & (state.site < 0)
+    state = state._replace(
+        site=jnp.where(first, jnp.int32(site), state.site),
+        nan=jnp.where(first, nan, state.nan),
+        iterations=jnp.where(first, _position(state), state.iterations),
+    )
+    return HandlerResult(state, outvals)
+
+
+def _position(state: _State) -> Any:
+    """The current loop counters, padded with -1 like `state.iterations`."""
+    length = state.iterations.shape[0]
+    if length == 0:
+        return state.iterations
+    padding = [jnp.int32(-1)] * (length - len(state.counters))
+    return jnp.stack([jnp.asarray(c, jnp.int32) for c in (*state.counters, *padding)])
+
+
+def _next_iteration(carried: _State, new: _State) -> _State:
+    """The loop updater: the innermost loop counter advances after each iteration."""
+    del carried
+    *outer, current = new.counters
+    return new._replace(counters=(*outer, current + 1))
+
+
+def _check_loop(
+    loop_handler: Callable[..., HandlerResult],
+    interpreter: Any,
+    state: _State,
+    eqn: JaxprEqn,
+    invals: list[Any],
+) -> HandlerResult:
+    """Runs a loop with one more counter; `iterations` is first padded to the
+    deepest nesting inside, so that the loop carries a context of fixed shape."""
+    outer_counters = state.counters
+    state = _pad_iterations(state, len(outer_counters) + _eqn_loop_depth(eqn))
+    state = state._replace(counters=(*outer_counters, jnp.int32(0)))
+    result = loop_handler(interpreter, state, eqn, invals, updater=_next_iteration)
+    return HandlerResult(result.ctx._replace(counters=outer_counters), result.outvals)
+
+
+def _check_cond(interpreter: Any, state: _State, eqn: JaxprEqn, invals: list[Any]) -> HandlerResult:
+    """Pads `iterations` for the deepest loop in any branch, so that every branch
+    returns a context of the same shape."""
+    depth = max(_loop_depth(branch.jaxpr) for branch in eqn.params["branches"])
+    state = _pad_iterations(state, len(state.counters) + depth)
+    return default_cond_handler(interpreter, state, eqn, invals)
+
+
+def _linear_index(axes: tuple[tuple[Any, int], ...]) -> Any:
+    """This shard's index over `axes` (`(name, size)` pairs), row-major."""
+    index = jnp.int32(0)
+    for name, size in axes:
+        index = index * size + jax.lax.axis_index(name)
+    return index
+
+
+def _all_axes(reduce: Callable[[Any, Any], Any], value: Any, axes: tuple[Any, ...]) -> Any:
+    # One axis at a time: a collective over an axis tuple along some of which the
+    # value is varying and along others invariant is an error in JAX 0.10.
+    for axis in axes:
+        value = reduce(value, axis)
+    return value
+
+
+@functools.lru_cache(maxsize=64)
+def _first_shard(
+    scope: tuple[tuple[Any, int], ...], manual_axes: tuple[tuple[Any, int], ...]
+) -> Callable[[_State], _State]:
+    """`reduce_ctx` that keeps the record of the first shard (in mesh order) that
+    found a NaN; the result is the same on every shard (cached so that the
+    framework's body cache recognises it)."""
+    names = tuple(name for name, _ in manual_axes)
+
+    def reduce_ctx(state: _State) -> _State:
+        found = state.site >= 0
+        shard = jnp.where(found & (state.shard < 0), _linear_index(scope), state.shard)
+        key = jnp.where(found, shard, _NO_SHARD)
+        first_key = _all_axes(jax.lax.pmin, key, names)
+        # Exactly one shard among those with the first key.
+        own = _linear_index(manual_axes)
+        chosen = own == _all_axes(jax.lax.pmin, jnp.where(key == first_key, own, _NO_SHARD), names)
+
+        def pick(value: Any) -> Any:
+            return _all_axes(jax.lax.psum, jnp.where(chosen, value, jnp.zeros_like(value)), names)
+
+        any_found = first_key < _NO_SHARD
+        return state._replace(
+            site=jnp.where(any_found, pick(state.site), -1),
+            nan=pick(state.nan.astype(jnp.int32)) > 0,
+            shard=jnp.where(any_found, pick(shard), -1),
+            iterations=jnp.where(any_found, pick(state.iterations), -1),
+        )
+
+    return reduce_ctx
+
+
+def _check_shard_map(
+    interpreter: Any, state: _State, eqn: JaxprEqn, invals: list[Any]
+) -> HandlerResult:
+    """The body starts with no record; the first shard's record comes out and
+    replaces the outer one if that is empty."""
+    mesh, manual = shard_map_axes(eqn)
+    sizes = dict(mesh.shape)
+    names = {name for name, _ in state.scope.manual_axes} | set(manual)
+    scope = tuple((name, sizes[name]) for name in mesh.axis_names if name in names)
+    inner = _initial_state()._replace(
+        iterations=jnp.full(state.iterations.shape, -1, jnp.int32),
+        counters=state.counters,
+        scope=_Scope(scope),
+    )
+    reduce_ctx = _first_shard(scope, tuple((name, sizes[name]) for name in manual))
+    result = default_shard_map_handler(interpreter, inner, eqn, invals, reduce_ctx=reduce_ctx)
+    merged = _select(state.site < 0, result.ctx, state)
+    return HandlerResult(merged, result.outvals)
+
+
+def _located(sites: _Sites, handler: Handler) -> Handler:
+    """`handler`, with its equation's source the enclosing one while it runs."""
+
+    def located(interpreter: Any, state: Any, eqn: JaxprEqn, invals: list[Any]) -> Any:
+        location = source_location(eqn)
+        if location is None:
+            return handler(interpreter, state, eqn, invals)
+        sites.enclosing.append(location)
+        try:
+            return handler(interpreter, state, eqn, invals)
+        finally:
+            sites.enclosing.pop()
+
+    return located
+
+
+def _dispatcher(sites: _Sites) -> Dispatcher:
+    dispatcher = (
+        default_dispatcher()
+        .register_handler("scan", functools.partial(_check_loop, default_scan_handler))
+        .register_handler(
+            "while",
+            functools.partial(
+                _check_loop, functools.partial(default_while_handler, thread_condition=True)
+            ),
+        )
+        .register_handler("cond", _check_cond)
+        .register_handler("shard_map", _check_shard_map)
+        .register_fallback_handler(functools.partial(_check_equation, sites))
+    )
+    for name, handler in dispatcher.handlers.items():
+        dispatcher.register_handler(name, _located(sites, handler))
+    return dispatcher
+
+
+# ---------------------------------------------------------------------------
+# The report.
+# ---------------------------------------------------------------------------
+
+
+class NanReport:
+    """Where a program first produced a NaN or an Inf.
+
+    `find_nans` returns one. It is a pytree, so a `find_nans` function can be
+    jitted and its report returned; read its properties on concrete values,
+    outside the jit. It prints as one line in a terminal and as a table in a
+    notebook.
+
+    **Properties:**
+
+    - `found`: whether any equation produced a NaN or an Inf (a traced boolean
+      inside `jax.jit`, the only property that can be read there).
+    - `primitive`: the name of the first such equation's primitive, or `None`.
+    - `source`: `"file.py:LINE"` of the user's code that produced it, or `None`.
+      When JAX kept no user frame for the equation (a `jnp` function passed as
+      it is, as in `lax.cond(p, jnp.log, ...)`), the line of the innermost
+      control-flow call around it.
+    - `path`: the full path of the file of `source`, or `None`.
+    - `kind`: `"nan"` or `"inf"` (`"nan"` if the outputs hold both), or `None`.
+    - `iterations`: the iteration (0-based, in execution order, also for
+      `reverse=True`) of each `scan`, `fori_loop` or `while_loop` around it,
+      outermost first; `()` outside loops. An equation of a `while_loop`'s
+      condition reports the iteration that it follows (its first evaluation,
+      before any iteration, reports 0 too).
+    - `iteration`: the innermost of `iterations`, or `None`.
+    - `shard`: `{axis: coordinate}` over the manual mesh axes of the
+      `shard_map`s around it: the first shard, in mesh order, that produced a
+      NaN or Inf there; `None` outside `shard_map`.
+
+    Under `jax.vmap` every property has a batch axis; read one element with
+    `jax.tree.map(lambda leaf: leaf[i], report)`.
+
+    **Example:**
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    from kups.debug import find_nans
+
+
+    def f(xs):
+        return jax.lax.scan(lambda c, x: (c + jnp.sqrt(x), None), 0.0, xs)[0]
+
+
+    _, report = jax.jit(find_nans(f))(jnp.array([4.0, 1.0, -1.0, 9.0]))
+    assert (report.primitive, report.kind, report.iteration) == ("sqrt", "nan", 2)
+    print(report)  # NanReport(found=True, kind=nan, primitive=sqrt, source=..., iteration=2)
+    ```
+    """
+
+    def __init__(
+        self, site: Any, nan: Any, shard: Any, iterations: Any, sites: tuple[_Site, ...]
+    ) -> None:
+        self._site = site
+        self._nan = nan
+        self._shard = shard
+        self._iterations = iterations
+        self._sites = sites
+
+    def _concrete_site(self, what: str) -> _Site | None:
+        if isinstance(self._site, Tracer):
+            raise TypeError(
+                f"NanReport.{what} needs concrete values, but this report holds traced "
+                f"ones (it is used inside jax.jit or another transformation). Return the "
+                f"report from the jitted function and read {what} outside."
+            )
+        if np.ndim(self._site) != 0:
+            raise TypeError(
+                f"NanReport.{what} is for one report, but this one is batched (shape "
+                f"{np.shape(self._site)}, as jax.vmap returns it). Read element i with "
+                f"jax.tree.map(lambda leaf: leaf[i], report).{what}."
+            )
+        index = int(self._site)
+        return self._sites[index] if index >= 0 else None
+
+    @property
+    def found(self) -> Any:
+        if isinstance(self._site, Tracer) or np.ndim(self._site) != 0:
+            return self._site >= 0
+        return int(self._site) >= 0
+
+    @property
+    def primitive(self) -> str | None:
+        site = self._concrete_site("primitive")
+        return site.primitive if site is not None else None
+
+    @property
+    def source(self) -> str | None:
+        site = self._concrete_site("source")
+        if site is None or site.file is None:
+            return None
+        return f"{os.path.basename(site.file)}:{site.line}"
+
+    @property
+    def path(self) -> str | None:
+        """The full path of the file of `source`, or `None`."""
+        site = self._concrete_site("path")
+        return site.file if site is not None else None
+
+    @property
+    def kind(self) -> str | None:
+        site = self._concrete_site("kind")
+        if site is None:
+            return None
+        return "nan" if bool(self._nan) else "inf"
+
+    @property
+    def iterations(self) -> tuple[int, ...]:
+        site = self._concrete_site("iterations")
+        if site is None:
+            return ()
+        return tuple(int(i) for i in self._iterations[: site.loop_depth])
+
+    @property
+    def iteration(self) -> int | None:
+        iterations = self.iterations
+        return iterations[-1] if iterations else None
+
+    @property
+    def shard(self) -> dict[Any, int] | None:
+        site = self._concrete_site("shard")
+        if site is None or not site.manual_axes:
+            return None
+        index = int(self._shard)
+        coordinates: dict[Any, int] = {}
+        for name, size in reversed(site.manual_axes):
+            index, coordinates[name] = divmod(index, size)
+        return {name: coordinates[name] for name, _ in site.manual_axes}
+
+    def _fields(self) -> list[tuple[str, str]]:
+        if not self.found:
+            return [("found", "False")]
+        fields = [
+            ("found", "True"),
+            ("kind", str(self.kind)),
+            ("primitive", str(self.primitive)),
+            ("source", str(self.source)),
+        ]
+        if self.iterations:
+            iterations = self.iterations
+            fields.append(
+                ("iteration", str(iterations[0]) if len(iterations) == 1 else str(iterations))
+            )
+        shard = self.shard
+        if shard is not None:
+            fields.append(("shard", ", ".join(f"{name}={i}" for name, i in shard.items())))
+        return fields
+
+    def _opaque(self) -> str | None:
+        """What this report holds when it cannot be read: traced or batched values."""
+        if isinstance(self._site, Tracer):
+            return "<traced>"
+        if np.ndim(self._site) != 0:
+            return f"<batched, shape {np.shape(self._site)}>"
+        return None
+
+    def __repr__(self) -> str:
+        opaque = self._opaque()
+        if opaque is not None:
+            return f"NanReport({opaque})"
+        return "NanReport(" + ", ".join(f"{k}={v}" for k, v in self._fields()) + ")"
+
+    def _repr_html_(self) -> str:
+        opaque = self._opaque()
+        if opaque is not None:
+            return f"<code>NanReport({html.escape(opaque)})</code>"
+        rows = "".join(
+            f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+            for k, v in self._fields()
+        )
+        return f"<table><caption>NanReport</caption>{rows}</table>"
+
+
+def _flatten_report(report: NanReport) -> tuple[tuple[Any, ...], tuple[_Site, ...]]:
+    return (report._site, report._nan, report._shard, report._iterations), report._sites
+
+
+def _unflatten_report(sites: tuple[_Site, ...], children: Any) -> NanReport:
+    site, nan, shard, iterations = children
+    return NanReport(site, nan, shard, iterations, sites)
+
+
+jax.tree_util.register_pytree_node(NanReport, _flatten_report, _unflatten_report)
+
+
+def find_nans(fn: Callable[..., Any]) -> Callable[..., tuple[Any, NanReport]]:
+    """Wraps `fn` so that it also reports the first equation that produced a NaN
+    or an Inf, and the line of user code that wrote it.
+
+    Every floating output of every equation is checked, in execution order,
+    through `jit`, `scan`, `while_loop`, `cond`/`switch`, `checkpoint`, custom
+    derivatives and `shard_map`. Only the first equation whose output holds a
+    NaN or Inf is reported: a NaN flowing into later equations does not move the
+    report. Integer outputs are not checked. Inside a loop the report says which
+    iteration, inside a `shard_map` on which shard (the first one in mesh order
+    that produced one). Everything computed is checked, also values that are
+    discarded later (such as the untaken side of `jnp.where`).
+
+    **Arguments:**
+
+    - `fn`: the function to check. Its arguments are pytrees; leaves that are not
+      arrays are static.
+
+    **Returns:**
+
+    `wrapped(*args, **kwargs) -> (out, report)`, where `out` is `fn(*args,
+    **kwargs)` and `report` a `NanReport`. `wrapped` can be jitted; read the
+    report's properties outside the jit.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    from kups.debug import find_nans
+
+
+    def f(x):
+        y = jnp.log(x)  # log(-1) is NaN
+        return y * 2
+
+
+    out, report = find_nans(f)(jnp.array(-1.0))
+    assert report.found and report.primitive == "log"
+    print(report.source)  # the file and line of `jnp.log(x)`
+    ```
+    """
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, NanReport]:
+        sites = _Sites()
+        interpreter = Interpreter(_dispatcher(sites), label="find_nans")
+        out, state = reinterpret(fn, interpreter)(_initial_state(), *args, **kwargs)
+        report = NanReport(state.site, state.nan, state.shard, state.iterations, tuple(sites.sites))
+        return out, report
+
+    return wrapped

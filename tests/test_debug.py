@@ -1,0 +1,564 @@
+"""`kups.debug.find_nans`, checked against where each test program produces its
+first NaN or Inf, worked out by hand: the line (marked with a `# <marker>`
+comment), the iteration and the shard."""
+
+import inspect
+import os
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from kups import debug
+from kups.debug import NanReport, find_nans
+
+with open(__file__) as _file:
+    _LINES = _file.read().splitlines()
+
+
+def line_of(marker: str) -> str:
+    """`"test_debug.py:LINE"` of the one line that ends with `# <marker>`."""
+    lines = [i for i, text in enumerate(_LINES, 1) if text.rstrip().endswith(f"# {marker}")]
+    assert len(lines) == 1, f"marker {marker!r} on lines {lines}"
+    return f"{os.path.basename(__file__)}:{lines[0]}"
+
+
+def report_of(fn, *args, **kwargs) -> NanReport:
+    """The report of `fn`, eagerly and under jit, checked to agree; the outputs
+    checked against `fn` itself."""
+    out, report = find_nans(fn)(*args, **kwargs)
+    jit_out, jit_report = eqx.filter_jit(find_nans(fn))(*args, **kwargs)
+    expected = fn(*args, **kwargs)
+    for got in (out, jit_out):
+        assert jax.tree.structure(got) == jax.tree.structure(expected)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert summary(jit_report) == summary(report)
+    return report
+
+
+def summary(report: NanReport) -> dict:
+    return {
+        "found": report.found,
+        "kind": report.kind,
+        "primitive": report.primitive,
+        "source": report.source,
+        "iterations": report.iterations,
+        "shard": report.shard,
+    }
+
+
+def expect(report, primitive, marker, kind="nan", iterations=(), shard=None):
+    assert summary(report) == {
+        "found": True,
+        "kind": kind,
+        "primitive": primitive,
+        "source": line_of(marker),
+        "iterations": tuple(iterations),
+        "shard": shard,
+    }
+    assert report.iteration == (iterations[-1] if iterations else None)
+
+
+# ------------------------------------------------------------ straight-line code
+
+
+def test_nan_from_log_of_minus_one():
+    def f(x):
+        y = jnp.log(x)  # log-minus-one
+        return y * 2.0 + 1.0
+
+    report = report_of(f, jnp.float32(-1.0))
+    expect(report, "log", "log-minus-one")
+    assert type(report.found) is bool
+
+
+def test_inf_from_division_by_zero():
+    def f(x):
+        y = x + 1.0
+        return 1.0 / y  # one-over-zero
+
+    expect(report_of(f, jnp.float32(-1.0)), "div", "one-over-zero", kind="inf")
+
+
+def test_no_nan():
+    def f(x):
+        return jnp.log(x) / x + jnp.sqrt(x)
+
+    report = report_of(f, jnp.float32(2.0))
+    assert report.found is False
+    assert report.primitive is None
+    assert report.source is None
+    assert report.kind is None
+    assert report.iteration is None
+    assert report.iterations == ()
+    assert report.shard is None
+    assert repr(report) == "NanReport(found=False)"
+
+
+def test_only_the_first_equation_is_reported():
+    def f(x):
+        y = 1.0 / x  # first-inf
+        z = y - y  # inf - inf is NaN, but the Inf came first
+        return jnp.log(-jnp.abs(z)) * z
+
+    expect(report_of(f, jnp.float32(0.0)), "div", "first-inf", kind="inf")
+
+
+def test_nan_flowing_through_later_equations_stays_reported_at_its_source():
+    def f(x):
+        y = jnp.sqrt(x)  # sqrt-of-negative
+        for _ in range(3):
+            y = jnp.sin(y) * 2.0 + y
+        return y
+
+    expect(report_of(f, jnp.float32(-4.0)), "sqrt", "sqrt-of-negative")
+
+
+def test_nan_in_the_input_is_reported_at_the_first_equation_that_outputs_it():
+    def f(x):
+        return x * 2.0  # consumes-nan
+
+    expect(report_of(f, jnp.float32(jnp.nan)), "mul", "consumes-nan")
+
+
+def test_integer_outputs_are_not_checked():
+    def f(i, x):
+        j = i // 0 + i % 0  # integer division by zero: no NaN in integers
+        return j, x * 2.0
+
+    report = report_of(f, jnp.int32(3), jnp.float32(1.0))
+    assert report.found is False
+
+
+def test_nan_among_several_outputs_and_in_arrays():
+    def f(x):
+        return lax.sort((x, jnp.log(x)), num_keys=1)  # log-of-array
+
+    x = jnp.array([3.0, 2.0, 1.0, -1.0])
+    expect(report_of(f, x), "log", "log-of-array")
+
+
+def test_complex_outputs_are_checked():
+    def f(x):
+        return jnp.exp(x) * jnp.inf  # complex-inf
+
+    report = report_of(f, jnp.complex64(1.0 + 1.0j))
+    assert report.primitive == "mul" and report.source == line_of("complex-inf")
+
+
+def test_static_arguments():
+    def f(x, *, offset, activation):
+        return activation(x - offset)  # static-args
+
+    report = report_of(f, jnp.float32(1.0), offset=2.0, activation=jnp.log)
+    assert report.found and report.primitive == "log"
+
+
+# ------------------------------------------------------------ control flow
+
+
+def test_nan_in_nested_jit():
+    @jax.jit
+    def inner(x):
+        return jnp.arccos(x)  # arccos-out-of-range
+
+    @jax.jit
+    def outer(x):
+        return inner(x * 2.0) + 1.0
+
+    expect(report_of(outer, jnp.float32(0.75)), "acos", "arccos-out-of-range")
+
+
+@pytest.mark.parametrize("bad", [0, 3, 5])
+def test_scan_iteration(bad):
+    def f(xs):
+        def body(carry, x):
+            return carry + jnp.log(x), None  # log-in-scan
+
+        return lax.scan(body, jnp.float32(0), xs)[0]
+
+    xs = jnp.ones(6).at[bad].set(-1.0)
+    expect(report_of(f, xs), "log", "log-in-scan", iterations=[bad])
+
+
+def test_scan_iteration_counts_in_execution_order_for_reverse():
+    def f(xs):
+        def body(carry, x):
+            return carry, jnp.log(x)  # log-in-reverse-scan
+
+        return lax.scan(body, jnp.float32(0), xs, reverse=True)
+
+    # xs[1] is processed by the fourth iteration of a reversed scan of five.
+    xs = jnp.ones(5).at[1].set(-1.0)
+    expect(report_of(f, xs), "log", "log-in-reverse-scan", iterations=[3])
+
+
+def test_zero_length_scan():
+    def f(xs):
+        return lax.scan(lambda c, x: (c + jnp.log(x), None), jnp.float32(0), xs)[0]
+
+    assert report_of(f, jnp.zeros(0)).found is False
+
+
+def test_nested_scans_report_every_iteration():
+    def f(xs, ys):
+        def outer(carry, x):
+            def inner(c, y):
+                return c + jnp.log(x - y), None  # log-in-inner-scan
+
+            return lax.scan(inner, carry, ys)[0], None
+
+        return lax.scan(outer, jnp.float32(0), xs)[0]
+
+    # x - y first reaches zero (log: -inf) at x = xs[2] = 2, y = ys[1] = 2.
+    xs = jnp.array([5.0, 4.0, 2.0, 1.0])
+    ys = jnp.array([1.0, 2.0, 3.0])
+    expect(report_of(f, xs, ys), "log", "log-in-inner-scan", kind="inf", iterations=[2, 1])
+
+
+def test_fori_loop():
+    def f(x):
+        return lax.fori_loop(0, 10, lambda i, v: jnp.sqrt(v - 1.0), x)  # sqrt-in-fori
+
+    # 17 -> 4 -> sqrt(3) -> sqrt(sqrt(3) - 1) ~ 0.86 -> sqrt(-0.14) is NaN.
+    expect(report_of(f, jnp.float32(17.0)), "sqrt", "sqrt-in-fori", iterations=[3])
+
+
+@pytest.mark.parametrize(("x", "n", "iteration"), [(-1.0, 0, None), (np.e, 2, None), (np.e, 5, 2)])
+def test_while_body(x, n, iteration):
+    def f(x, n):
+        def body(state):
+            i, v = state
+            return i + 1, jnp.log(v)  # log-in-while
+
+        return lax.while_loop(lambda s: s[0] < n, body, (jnp.int32(0), x))
+
+    # log(e) = 1, log(1) = 0, then log(0) = -inf at iteration 2; a loop that
+    # runs zero times checks nothing.
+    report = report_of(f, jnp.float32(x), jnp.int32(n))
+    if iteration is None:
+        assert report.found is False
+    else:
+        expect(report, "log", "log-in-while", kind="inf", iterations=[iteration])
+
+
+def test_while_condition():
+    def f(x):
+        def cond(v):
+            return jnp.log(v) > -5.0  # log-in-condition
+
+        return lax.while_loop(cond, lambda v: v - 1.0, x)
+
+    # The condition sees 2.5, 1.5, 0.5, then -0.5 (NaN) after iteration 2.
+    expect(report_of(f, jnp.float32(2.5)), "log", "log-in-condition", iterations=[2])
+
+
+@pytest.mark.parametrize("pred", [False, True])
+def test_cond_taken_branch_only(pred):
+    def f(p, x):
+        return lax.cond(p, lambda x: jnp.log(x), lambda x: x * 2.0, x)  # log-in-cond
+
+    report = report_of(f, jnp.bool_(pred), jnp.float32(-1.0))
+    if pred:
+        expect(report, "log", "log-in-cond")
+    else:
+        assert report.found is False
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_switch(index):
+    def f(i, x):
+        branches = [
+            lambda x: x + 1.0,
+            lambda x: jnp.sqrt(x),  # sqrt-in-switch
+            lambda x: x / 0.0,  # div-in-switch
+        ]
+        return lax.switch(i, branches, x)
+
+    report = report_of(f, jnp.int32(index), jnp.float32(-1.0))
+    if index == 0:
+        assert report.found is False
+    elif index == 1:
+        expect(report, "sqrt", "sqrt-in-switch")
+    else:
+        expect(report, "div", "div-in-switch", kind="inf")
+
+
+def test_branch_given_as_a_jax_function_reports_the_cond_line():
+    # JAX keeps no user frame for equations of `jnp.log` passed as the branch
+    # itself; the line of the cond is the nearest one of the user's.
+    def f(p, x):
+        return lax.cond(p, jnp.log, jnp.exp, x)  # cond-with-jnp-branch
+
+    expect(report_of(f, jnp.bool_(True), jnp.float32(-1.0)), "log", "cond-with-jnp-branch")
+
+
+def test_loop_in_one_branch_only():
+    def f(p, x):
+        def looping(x):
+            return lax.fori_loop(0, 4, lambda i, v: jnp.log(v), x)  # log-in-branch-loop
+
+        return lax.cond(p, looping, jnp.sin, x)
+
+    # log(3) ~ 1.1, log(1.1) ~ 0.09, log(0.09) ~ -2.4, log(-2.4) is NaN.
+    expect(
+        report_of(f, jnp.bool_(True), jnp.float32(3.0)), "log", "log-in-branch-loop", iterations=[3]
+    )
+    assert report_of(f, jnp.bool_(False), jnp.float32(3.0)).found is False
+
+
+def test_cond_in_scan():
+    def f(xs):
+        def body(carry, x):
+            y = lax.cond(x > 0, jnp.sin, lambda x: jnp.log(x), x)  # log-in-cond-in-scan
+            return carry + y, None
+
+        return lax.scan(body, jnp.float32(0), xs)[0]
+
+    xs = jnp.array([1.0, 2.0, 3.0, -1.0, -2.0])
+    expect(report_of(f, xs), "log", "log-in-cond-in-scan", iterations=[3])
+
+
+def test_checkpoint():
+    def f(x):
+        return jax.checkpoint(lambda x: jnp.log(x) * 2.0)(x)  # log-in-checkpoint
+
+    expect(report_of(f, jnp.float32(-1.0)), "log", "log-in-checkpoint")
+
+
+def test_custom_jvp():
+    @jax.custom_jvp
+    def g(x):
+        return jnp.log(x)  # log-in-custom-jvp
+
+    g.defjvp(lambda primals, tangents: (g(primals[0]), tangents[0] / primals[0]))
+    expect(report_of(g, jnp.float32(-1.0)), "log", "log-in-custom-jvp")
+
+
+def test_custom_vjp():
+    @jax.custom_vjp
+    def g(x):
+        return 1.0 / x  # div-in-custom-vjp
+
+    g.defvjp(lambda x: (g(x), x), lambda x, ct: (-ct / x**2,))
+    expect(report_of(g, jnp.float32(0.0)), "div", "div-in-custom-vjp", kind="inf")
+
+
+# ------------------------------------------------------------ shard_map
+
+
+def test_shard_map_full_manual(mesh42):
+    def f(x):
+        return jax.shard_map(
+            lambda a: jnp.log(a) + 1.0,  # log-in-shard-map
+            mesh=mesh42,
+            in_specs=P("x", "y"),
+            out_specs=P("x", "y"),
+        )(x)
+
+    # Blocks are 2 x 2: row 5 is on x = 2, column 3 on y = 1; row 7 column 0 is
+    # on shard (3, 0), later in mesh order.
+    x = jnp.ones((8, 4)).at[5, 3].set(-1.0).at[7, 0].set(-1.0)
+    expect(report_of(f, x), "log", "log-in-shard-map", shard={"x": 2, "y": 1})
+
+
+def test_shard_map_partial_manual(mesh42):
+    def f(x):
+        return jax.shard_map(
+            lambda a: jnp.sqrt(a),  # sqrt-in-partial-shard-map
+            mesh=mesh42,
+            in_specs=P("x"),
+            out_specs=P("x"),
+            axis_names={"x"},
+        )(x)
+
+    x = jnp.ones((8, 4)).at[3, 1].set(-1.0)
+    expect(report_of(f, x), "sqrt", "sqrt-in-partial-shard-map", shard={"x": 1})
+
+
+def test_shard_map_without_nan(mesh8):
+    def f(x):
+        return jax.shard_map(jnp.log, mesh=mesh8, in_specs=P("i"), out_specs=P("i"))(x)
+
+    assert report_of(f, jnp.ones(16)).found is False
+
+
+def test_shard_map_without_check_vma(mesh8):
+    def f(x):
+        return jax.shard_map(
+            lambda a: jnp.log(a),  # log-without-check-vma
+            mesh=mesh8,
+            in_specs=P("i"),
+            out_specs=P("i"),
+            check_vma=False,
+        )(x)
+
+    x = jnp.ones(16).at[13].set(-1.0)
+    expect(report_of(f, x), "log", "log-without-check-vma", shard={"i": 6})
+
+
+def test_scan_in_shard_map(mesh42):
+    def f(x):
+        def body(a):
+            def step(carry, i):
+                return carry + jnp.log(a - i), None  # log-in-scan-in-shard-map
+
+            return lax.scan(step, jnp.zeros_like(a), jnp.arange(4.0))[0]
+
+        return jax.shard_map(body, mesh=mesh42, in_specs=P("x", "y"), out_specs=P("x", "y"))(x)
+
+    # Shard (1, 0) holds 2.5 (NaN at iteration 3); shard (3, 1) holds 0.5 (NaN at
+    # iteration 1). The first shard in mesh order is reported.
+    x = jnp.full((8, 4), 9.0).at[2, 0].set(2.5).at[7, 3].set(0.5)
+    expect(
+        report_of(f, x), "log", "log-in-scan-in-shard-map", iterations=[3], shard={"x": 1, "y": 0}
+    )
+
+
+def test_shard_map_in_scan(mesh42):
+    def f(x, offsets):
+        sharded = jax.shard_map(
+            lambda a: jnp.log(a),  # log-in-shard-map-in-scan
+            mesh=mesh42,
+            in_specs=P("x", "y"),
+            out_specs=P("x", "y"),
+        )
+
+        def step(carry, offset):
+            return carry + sharded(x - offset), None
+
+        return lax.scan(step, jnp.zeros_like(x), offsets)[0]
+
+    # Only x[0, 2] (on shard x = 0, y = 1) goes negative, at the second offset.
+    x = jnp.full((8, 4), 10.0).at[0, 2].set(1.5)
+    report = report_of(f, x, jnp.array([1.0, 2.0, 3.0]))
+    expect(report, "log", "log-in-shard-map-in-scan", iterations=[1], shard={"x": 0, "y": 1})
+
+
+def test_while_with_per_shard_trip_counts(mesh42):
+    def f(x):
+        def body(a):
+            n = lax.axis_index("x")
+
+            def step(state):
+                return state[0] + 1, jnp.log(state[1])  # log-in-per-shard-while
+
+            return lax.while_loop(lambda s: s[0] < n, step, (jnp.int32(0), a))[1]
+
+        return jax.shard_map(body, mesh=mesh42, in_specs=P("x", "y"), out_specs=P("x", "y"))(x)
+
+    # log(0.5) < 0, so the second iteration is NaN: shards x >= 2 run it.
+    report = report_of(f, jnp.full((8, 4), 0.5))
+    expect(report, "log", "log-in-per-shard-while", iterations=[1], shard={"x": 2, "y": 0})
+
+
+def test_nested_shard_maps(mesh42):
+    def f(x):
+        def outer(a):
+            inner = jax.shard_map(
+                lambda b: jnp.log(b),  # log-in-inner-shard-map
+                mesh=jax.sharding.get_abstract_mesh(),
+                in_specs=P(None, "y"),
+                out_specs=P(None, "y"),
+                axis_names={"y"},
+            )
+            return inner(a) * 2.0
+
+        return jax.shard_map(
+            outer, mesh=mesh42, in_specs=P("x"), out_specs=P("x"), axis_names={"x"}
+        )(x)
+
+    x = jnp.ones((8, 4)).at[6, 1].set(-1.0)
+    expect(report_of(f, x), "log", "log-in-inner-shard-map", shard={"x": 3, "y": 0})
+
+
+# ------------------------------------------------------------ the report
+
+
+def test_report_under_jit_is_a_pytree_read_outside():
+    def f(x):
+        return jnp.log(x)  # log-for-jit
+
+    _, report = jax.jit(find_nans(f))(jnp.float32(-1.0))
+    assert isinstance(report, NanReport)
+    expect(report, "log", "log-for-jit")
+
+    @jax.jit
+    def inside(x):
+        _, report = find_nans(f)(x)
+        assert repr(report) == "NanReport(<traced>)"
+        with pytest.raises(TypeError, match="concrete"):
+            report.primitive
+        return report.found
+
+    assert bool(inside(jnp.float32(-1.0))) is True
+    assert bool(inside(jnp.float32(1.0))) is False
+
+
+def test_report_pytree_round_trip():
+    _, report = find_nans(lambda x: jnp.log(x))(jnp.float32(-1.0))
+    leaves, treedef = jax.tree.flatten(report)
+    assert all(isinstance(leaf, jax.Array) for leaf in leaves)
+    rebuilt = jax.tree.unflatten(treedef, leaves)
+    assert summary(rebuilt) == summary(report)
+
+
+def test_report_repr_and_html(mesh42):
+    def f(xs):
+        def body(a):
+            return lax.scan(lambda c, x: (c, jnp.log(x)), 0.0, a[0])[1]  # log-for-repr
+
+        return jax.shard_map(body, mesh=mesh42, in_specs=P("x", "y"), out_specs=P(("x", "y")))(xs)
+
+    xs = jnp.ones((8, 4)).at[4, 1].set(-1.0)
+    _, report = find_nans(f)(xs)
+    assert repr(report) == (
+        f"NanReport(found=True, kind=nan, primitive=log, source={line_of('log-for-repr')}, "
+        "iteration=1, shard=x=2, y=0)"
+    )
+    html = report._repr_html_()
+    assert html.startswith("<table>")
+    assert re.search(r"<th[^>]*>primitive</th><td>log</td>", html)
+    assert "x=2, y=0" in html
+    assert find_nans(lambda x: x + 1.0)(jnp.float32(1.0))[1]._repr_html_().count("<tr>") == 1
+
+
+def test_wrapped_keeps_the_name_of_the_function():
+    def my_function(x):
+        return x
+
+    assert find_nans(my_function).__name__ == "my_function"
+
+
+def test_docstring_examples_run():
+    for obj in (debug.find_nans, debug.NanReport):
+        for block in re.findall(r"```python\n(.*?)```", inspect.getdoc(obj) or "", re.S):
+            exec(compile(block, f"<docstring of {obj.__name__}>", "exec"), {})
+
+
+def test_vmap_gives_a_batched_report():
+    def f(x):
+        return jnp.log(x)  # log-under-vmap
+
+    _, reports = jax.vmap(find_nans(f))(jnp.array([1.0, -1.0, 2.0]))
+    assert np.asarray(reports.found).tolist() == [False, True, False]
+    assert repr(reports) == "NanReport(<batched, shape (3,)>)"
+    with pytest.raises(TypeError, match="batched"):
+        reports.primitive
+    expect(jax.tree.map(lambda leaf: leaf[1], reports), "log", "log-under-vmap")
+    assert jax.tree.map(lambda leaf: leaf[0], reports).found is False
+
+
+def test_grad_through_checked_function():
+    def f(x):
+        return jnp.sqrt(x) * 2.0  # sqrt-under-grad
+
+    grad, report = jax.grad(find_nans(f), has_aux=True)(jnp.float32(-4.0))
+    assert jnp.isnan(grad)
+    expect(report, "sqrt", "sqrt-under-grad")
