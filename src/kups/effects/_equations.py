@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 from jax.extend.core import JaxprEqn
 
 from . import _compat
@@ -47,3 +48,24 @@ def shard_map_axes(eqn: JaxprEqn) -> tuple[Any, tuple[Any, ...]]:
     mesh = eqn.params["mesh"]
     manual = _compat.shard_map_manual_axes(eqn.params)
     return mesh, tuple(a for a in mesh.axis_names if a in manual)
+
+
+def varying_axes(value: Any) -> frozenset[Any]:
+    """The manual mesh axes over which a value may differ between shards.
+
+    Inside a `shard_map` body (with `check_vma=True`), JAX tracks for each value
+    the manual axes along which it varies; outside, the set is empty.
+
+    **Arguments:**
+
+    - `value`: an array, a tracer, an abstract value (`jax.typeof(x)`,
+      `eqn.invars[i].aval`) or a `jax.ShapeDtypeStruct` (such as an
+      `Uninitialized` context leaf).
+
+    **Returns:**
+
+    A `frozenset` of mesh axis names.
+    """
+    if isinstance(value, (jax.ShapeDtypeStruct, _compat.ShapedArray)):
+        return _compat.varying_axes(value)
+    return _compat.varying_axes(_compat.aval_of(value))
