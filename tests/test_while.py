@@ -244,3 +244,54 @@ def test_thread_condition_without_context_changes():
     (x, trips), ctx = reinterpret(grow, interpreter)(0, 1.0, 30.0)
     assert int(ctx) == int(trips) == trips_by_hand(1.0, 30.0)
     assert float(x) == 32.0
+
+
+@jax.jit
+def jitted_below_three(state):
+    return state[0] < 3
+
+
+CONDITIONS_WITH_CONTROL_FLOW = {
+    "jit": jitted_below_three,
+    "cond": lambda s: lax.cond(s[0] < 3, lambda: True, lambda: False),
+    "checkpoint": lambda s: jax.checkpoint(lambda i: i < 3)(s[0]),
+    "nested_jit": jax.jit(
+        lambda s: jax.jit(lambda i: lax.cond(i < 3, lambda: True, lambda: False))(s[0])
+    ),
+    "while": lambda s: (
+        lax.while_loop(lambda c: c[1] < 2, lambda c: (c[0], c[1] + 1), (s[0], 0))[0] < 3
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CONDITIONS_WITH_CONTROL_FLOW))
+def test_condition_with_control_flow_but_no_effect(name):
+    """Control flow in the condition threads the context through without changing it:
+    that is not a change of the context."""
+    condition = CONDITIONS_WITH_CONTROL_FLOW[name]
+
+    def fn(x):
+        return lax.while_loop(condition, lambda s: (s[0] + 1, jnp.sin(s[1])), (0, x))[1]
+
+    x = jnp.array([0.5, 1.0])
+    identity = reinterpret(fn, Interpreter(default_dispatcher()))
+    out, ctx = identity(jnp.int32(7), x)
+    np.testing.assert_allclose(out, fn(x), rtol=1e-6)
+    assert int(ctx) == 7
+    counting = reinterpret(fn, interpreter_with(count_sin))
+    for interpreted in (counting, jax.jit(counting)):
+        out, ctx = interpreted(jnp.int32(0), x)
+        np.testing.assert_allclose(out, jnp.sin(jnp.sin(jnp.sin(x))), rtol=1e-6)
+        assert int(ctx) == 3
+
+
+def test_condition_changing_context_inside_jit_is_still_an_error():
+    @jax.jit
+    def condition(state):
+        return jnp.sin(state[0]) < 0.9
+
+    def fn(x):
+        return lax.while_loop(condition, lambda s: (s[0] + 0.5, s[1] * 2), (0.0, x))[1]
+
+    with pytest.raises(ValueError, match="changes the context"):
+        reinterpret(fn, interpreter_with(count_sin))(jnp.int32(0), jnp.ones(2))

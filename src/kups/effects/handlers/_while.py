@@ -78,17 +78,19 @@ def default_while_handler(
 def _check_condition_keeps_ctx(eqn: JaxprEqn, spec: CtxSpec, cond: TracedBody) -> None:
     """The condition's traced context outputs must be its context inputs, unchanged."""
     num_ctx = spec.num_values
-    ctx_in = cond.jaxpr.invars[cond.num_consts : cond.num_consts + num_ctx]
-    ctx_out = cond.jaxpr.outvars[:num_ctx]
-    if cond.ctx_out.same_as(spec) and all(a is b for a, b in zip(ctx_in, ctx_out, strict=True)):
+    # Control flow in the condition (a `jit`, a `cond`) threads the context through
+    # its own outputs: follow values through it rather than comparing variables.
+    forwarded = _forwarded_inputs(cond.jaxpr)
+    unchanged = [forwarded[j] == cond.num_consts + j for j in range(num_ctx)]
+    if cond.ctx_out.same_as(spec) and all(unchanged):
         return
     changes = diff(spec, cond.ctx_out)
     if not changes:
         value_paths = [p for p, m in zip(spec.paths, spec.value_mask, strict=True) if m]
         changes = [
             f"  ctx{keystr(p)} is given a new value"
-            for p, a, b in zip(value_paths, ctx_in, ctx_out, strict=True)
-            if a is not b
+            for p, same in zip(value_paths, unchanged, strict=True)
+            if not same
         ]
     raise ValueError(
         f"The condition of the while_loop ({where(eqn)}) changes the context:\n"
@@ -98,6 +100,56 @@ def _check_condition_keeps_ctx(eqn: JaxprEqn, spec: CtxSpec, cond: TracedBody) -
         "functools.partial(default_while_handler, thread_condition=True) to thread "
         "the context through the condition too, or move the effect into the body."
     )
+
+
+def _forwarded_inputs(jaxpr: Any) -> list[int | None]:
+    """For each output of `jaxpr`, the index of the input it returns unchanged, or
+    `None`; values are followed through sub-programs that pass them through."""
+    jaxpr, _ = _compat.open_jaxpr(jaxpr)
+    source: dict[Any, int] = {v: i for i, v in enumerate(jaxpr.invars)}
+    for sub_eqn in jaxpr.eqns:
+        for var, index in zip(sub_eqn.outvars, _eqn_forwarding(sub_eqn), strict=True):
+            atom = None if index is None else sub_eqn.invars[index]
+            if atom is not None and not _compat.is_literal(atom) and atom in source:
+                source[var] = source[atom]
+    return [None if _compat.is_literal(v) else source.get(v) for v in jaxpr.outvars]
+
+
+def _eqn_forwarding(eqn: JaxprEqn) -> list[int | None]:
+    """For each output of `eqn`, the index of the input it equals, or `None`."""
+    name, params = eqn.primitive.name, eqn.params
+    unknown: list[int | None] = [None] * len(eqn.outvars)
+    if name in ("jit", "pjit", "remat2", "checkpoint", "closed_call", "core_call"):
+        sub = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
+    elif name in ("custom_jvp_call", "custom_vjp_call"):
+        sub = params["call_jaxpr"]
+    elif name == "cond":
+        per_branch = [_forwarded_inputs(branch) for branch in params["branches"]]
+        return [
+            # Input 0 of a cond is the branch index; operands follow it.
+            None if f[0] is None or any(g != f[0] for g in f) else f[0] + 1
+            for f in zip(*per_branch, strict=True)
+        ]
+    elif name == "while":
+        num_body_consts = params["body_nconsts"]
+        body = _forwarded_inputs(params["body_jaxpr"])
+        return [
+            params["cond_nconsts"] + i if i == num_body_consts + j else None
+            for j, i in enumerate(body)
+        ]
+    elif name == "scan":
+        num_consts, num_carry = params["num_consts"], params["num_carry"]
+        body = _forwarded_inputs(params["jaxpr"])
+        return [
+            num_consts + j if j < num_carry and body[j] == num_consts + j else None
+            for j in range(len(eqn.outvars))
+        ]
+    else:
+        return unknown
+    sub_jaxpr, _ = _compat.open_jaxpr(sub)
+    if len(sub_jaxpr.invars) != len(eqn.invars) or len(sub_jaxpr.outvars) != len(eqn.outvars):
+        return unknown
+    return _forwarded_inputs(sub_jaxpr)
 
 
 def _while_threading_condition(
