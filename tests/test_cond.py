@@ -199,3 +199,17 @@ def test_branches_with_different_dtypes_are_a_clear_error():
     with pytest.raises(ValueError, match="branch 0 vs branch 1") as info:
         reinterpret(fn, Interpreter(dispatcher))(jnp.int32(0), True, X)
     assert "ctx: float32[] vs int32[]" in str(info.value)
+
+
+@pytest.mark.parametrize("pred", [False, True])
+def test_cond_without_operands(pred):
+    def fn(p):
+        return lax.cond(p, lambda: jnp.sin(jnp.float32(1.0)), lambda: jnp.float32(2.0))
+
+    for interpreted in (
+        reinterpret(fn, counting_interpreter()),
+        jax.jit(reinterpret(fn, counting_interpreter())),
+    ):
+        out, ctx = interpreted(0, pred)
+        np.testing.assert_allclose(out, np.sin(1.0) if pred else 2.0, rtol=1e-6)
+        assert int(ctx) == int(pred)

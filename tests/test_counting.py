@@ -259,3 +259,56 @@ def test_counts_under_vmap():
     out, ctx = jax.vmap(counting(fn), in_axes=(None, 0, None))(jnp.int32(0), xs, *args[1:])
     np.testing.assert_allclose(out, jax.vmap(fn, in_axes=(0, None))(xs, *args[1:]), rtol=1e-5)
     np.testing.assert_array_equal(ctx, jnp.full((3,), expected))
+
+
+def accumulate_sin(interpreter, ctx, eqn, invals):
+    """A float context: the sum of every `sin` output."""
+    y = jnp.sin(invals[0])
+    return HandlerResult(ctx + jnp.sum(y), [y])
+
+
+@pytest.mark.parametrize(
+    "name", ["plain", "scan_reverse_unroll", "cond_true", "jit", "checkpoint", "closed_call"]
+)
+def test_float_context_is_differentiable(name):
+    """The context is an ordinary value: its derivative is the derivative of what
+    the handler accumulated (d/dx sum(sin(x)) = cos(x) for one sin of x)."""
+    fn = {
+        "plain": jnp.sin,
+        "scan_reverse_unroll": lambda x: lax.scan(
+            lambda c, xi: (c + jnp.sin(xi), None), 0.0, x, reverse=True, unroll=2
+        )[0],
+        "cond_true": lambda x: lax.cond(jnp.sum(x) > -1e9, jnp.sin, jnp.cos, x),
+        "jit": jax.jit(jnp.sin),
+        "checkpoint": jax.checkpoint(jnp.sin),
+        "closed_call": closed_call(jnp.sin, X),
+    }[name]
+    interpreted = reinterpret(
+        fn, Interpreter(default_dispatcher().register_handler("sin", accumulate_sin))
+    )
+    grad = jax.grad(lambda x: interpreted(0.0, x)[1])(X)
+    np.testing.assert_allclose(grad, jnp.cos(X), rtol=1e-6)
+    grad = jax.jit(jax.grad(lambda x: interpreted(0.0, x)[1]))(X)
+    np.testing.assert_allclose(grad, jnp.cos(X), rtol=1e-6)
+
+
+def test_side_effects_in_bodies_still_run():
+    calls = []
+
+    def fn(x):
+        def body(c, xi):
+            jax.debug.callback(lambda v: calls.append(float(v)), xi)
+            return c + jnp.sin(xi), None
+
+        total = lax.scan(body, 0.0, x)[0]
+        lax.cond(total > 0, lambda: jax.debug.callback(lambda: calls.append("taken")), lambda: None)
+        return total
+
+    x = jnp.arange(4.0)
+    for interpreted in (counting(fn), jax.jit(counting(fn))):
+        calls.clear()
+        out, ctx = interpreted(jnp.int32(0), x)
+        jax.effects_barrier()
+        np.testing.assert_allclose(out, jnp.sum(jnp.sin(x)), rtol=1e-6)
+        assert calls == [0.0, 1.0, 2.0, 3.0, "taken"]
+        assert int(ctx) == 4

@@ -432,3 +432,65 @@ def test_threading_must_be_scan_semantics():
         reinterpret(scan_at_known_line, interpreter_with(count_sin, threading="carry"))(
             0, jnp.ones((3, 2))
         )
+
+
+class ModuleCtx(eqx.Module):
+    count: jax.Array
+    last: jax.Array | None = None
+
+
+def record_sin_module(interpreter, ctx, eqn, invals):
+    y = jnp.sin(invals[0])
+    return HandlerResult(ModuleCtx(ctx.count + 1, y), [y])
+
+
+@pytest.mark.parametrize("threading", [ScanSemantics.CARRY, ScanSemantics.RESULT])
+def test_module_field_filled_in_by_the_body(threading):
+    """A `None` field that the body fills in is a new leaf."""
+    sentinels = []
+
+    def initializer(ctx_before, sentinel):
+        sentinels.append(sentinel)
+        return ModuleCtx(sentinel.count, jnp.full(sentinel.last.shape, 5.0, sentinel.last.dtype))
+
+    options = {"initializer": initializer} if threading is ScanSemantics.CARRY else {}
+    interpreter = interpreter_with(record_sin_module, threading=threading, **options)
+    out, ctx = reinterpret(sum_sin, interpreter)(ModuleCtx(jnp.int32(1)), XS)
+    np.testing.assert_allclose(out[0], jnp.sum(jnp.sin(XS)), rtol=1e-6)
+    assert isinstance(ctx, ModuleCtx) and int(ctx.count) == 1 + XS.shape[0]
+    if threading is ScanSemantics.CARRY:
+        (sentinel,) = sentinels
+        assert isinstance(sentinel.last, Uninitialized) and int(sentinel.count) == 1
+        np.testing.assert_allclose(ctx.last, jnp.sin(XS[-1]), rtol=1e-6)
+    else:
+        np.testing.assert_allclose(ctx.last, jnp.sin(XS), rtol=1e-6)
+
+
+def test_result_without_xs_stacks_length_entries():
+    def fn(x):
+        return lax.scan(lambda c, _: (jnp.sin(c), None), x, None, length=4)[0]
+
+    interpreter = interpreter_with(record_sin, threading=ScanSemantics.RESULT)
+    out, ctx = reinterpret(fn, interpreter)({"count": jnp.int32(0)}, jnp.float32(1.0))
+    expected, values = 1.0, []
+    for _ in range(4):
+        expected = np.sin(expected)
+        values.append(expected)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    np.testing.assert_allclose(ctx["last"], values, rtol=1e-6)
+
+
+def test_nested_result_scans_stack_both_axes():
+    def fn(xs):
+        def row(carry, xs_row):
+            return carry, lax.scan(lambda c, x: (c, jnp.sin(x)), 0.0, xs_row, reverse=True)[1]
+
+        return lax.scan(row, 0.0, xs)[1]
+
+    xs = jnp.arange(12.0).reshape(3, 4) / 4.0
+    interpreter = interpreter_with(record_sin, threading=ScanSemantics.RESULT)
+    out, ctx = jax.jit(reinterpret(fn, interpreter))({"count": jnp.int32(0)}, xs)
+    np.testing.assert_allclose(out, jnp.sin(xs), rtol=1e-6)
+    # Entry [i, j] belongs to xs[i, j], the inner scan running in reverse.
+    np.testing.assert_allclose(ctx["last"], jnp.sin(xs), rtol=1e-6)
+    assert int(ctx["count"]) == 12
