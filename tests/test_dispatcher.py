@@ -363,3 +363,22 @@ def test_combiners_are_rebound_not_unhandled():
     out, ctx = run(default_dispatcher(), fn, X)
     np.testing.assert_allclose(out, fn(X), rtol=1e-6)
     assert ctx == 0
+
+
+def test_matching_rule_wins_over_fallback():
+    """An equation a rule accepts is unhandled (the policy decides); it does not go
+    to the fallback."""
+    calls = []
+
+    def fallback(interpreter, ctx, eqn, invals):
+        calls.append(eqn.primitive.name)
+        return count_handler(interpreter, ctx, eqn, invals)
+
+    dispatcher = Dispatcher().register_custom_matching_rule(accept_sin)
+    dispatcher.register_fallback_handler(fallback)
+    with pytest.raises(NotImplementedError, match="'sin'"):
+        run(dispatcher)
+    out, ctx = run(dispatcher, policy=InterpreterPolicy.IGNORE)
+    np.testing.assert_allclose(out, sin_twice(X), rtol=1e-6)
+    assert "sin" not in calls and sorted(set(calls)) == ["add", "cos"]
+    assert int(ctx) == 2  # cos and add, by the fallback

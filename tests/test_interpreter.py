@@ -148,7 +148,9 @@ def _stacks(fn, *args):
     return {
         (where, eqn.primitive.name): str(eqn.source_info.name_stack)
         for where, eqn in _eqns(jax.make_jaxpr(fn)(*args).jaxpr)
-        if eqn.primitive.name in {"cos", "exp", "sin", "tanh", "scan", "jit", "reduce_sum"}
+        if eqn.primitive.name
+        in {"cos", "exp", "sin", "tanh", "log1p", "scan", "jit", "cond", "while", "remat2"}
+        | {"reduce_sum"}
     }
 
 
@@ -168,6 +170,37 @@ def test_rebound_equations_keep_name_stacks(handle_sin):
     assert stacks[((), "reduce_sum")] == "tail_scope"
     # The oracle: the same stacks as the function traced by plain JAX.
     assert stacks == _stacks(scoped_fn, X)
+
+
+def scoped_cond_while_fn(x):
+    with jax.named_scope("outer_scope"):
+
+        def branch(y):
+            with jax.named_scope("in_cond"):
+                return jnp.sin(y)
+
+        def body(state):
+            with jax.named_scope("in_while"):
+                return state[0] + 1.0, jnp.exp(state[1])
+
+        def condition(state):
+            with jax.named_scope("in_condition"):
+                return jnp.tanh(state[1][0]) < state[0]
+
+        y = lax.cond(x[0] > 0, branch, lambda y: y, x)
+        z = lax.while_loop(condition, body, (0.0, y))[1]
+        return jax.checkpoint(lambda a: jnp.log1p(a))(z)
+
+
+def test_name_stacks_in_cond_while_and_checkpoint_bodies():
+    dispatcher = default_dispatcher().register_handler("sin", count_handler)
+    interpreted = reinterpret(scoped_cond_while_fn, Interpreter(dispatcher))
+    stacks = _stacks(interpreted, 0, X)
+    assert stacks[(("cond",), "sin")] == "in_cond"
+    assert stacks[(("while",), "exp")] == "in_while"
+    assert stacks[(("while",), "tanh")] == "in_condition"
+    assert stacks[((), "while")] == "outer_scope"
+    assert stacks == _stacks(scoped_cond_while_fn, X)
 
 
 def test_caller_name_scope_is_prefixed():
