@@ -152,7 +152,9 @@ def test_matching_rule_accepts_unhandled_raise():
     message = str(info.value)
     assert "'sin'" in message
     assert "test_dispatcher.py" in message
-    assert "register_handler('sin'" in message
+    assert "register_handler('sin', handler)" in message
+    assert "custom matching rule" in message
+    assert "control-flow" not in message  # sin is not control flow
 
 
 def test_matching_rule_accepts_unhandled_warn_rebinds():

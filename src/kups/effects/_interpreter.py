@@ -182,15 +182,23 @@ class Interpreter:
         if self.policy is InterpreterPolicy.IGNORE:
             return _compat.bind_equation(eqn.primitive, eqn.params, invals)
         name = eqn.primitive.name
-        message = (
-            f"{self.label or 'kups'}: no handler for the control-flow {where(eqn)}. "
-            f"Its sub-program would run without the interpreter, and any effect inside "
-            f"it would be lost. Register a handler with "
-            f"dispatcher.register_handler({name!r}, handler) (a handler that interprets "
-            f"the body, like kups.effects.handlers.default_closed_call_handler), or "
-            f"build the Interpreter with policy=InterpreterPolicy.IGNORE to run it "
-            f"unchanged."
-        )
+        if is_control_flow(eqn):
+            message = (
+                f"{self.label or 'kups'}: no handler for the control-flow {where(eqn)}. "
+                f"Its sub-program would run without the interpreter, and any effect inside "
+                f"it would be lost. Register a handler with "
+                f"dispatcher.register_handler({name!r}, handler) (a handler that interprets "
+                f"the body, like kups.effects.handlers.default_closed_call_handler), or "
+                f"build the Interpreter with policy=InterpreterPolicy.IGNORE to run it "
+                f"unchanged."
+            )
+        else:  # accepted by a custom matching rule
+            message = (
+                f"{self.label or 'kups'}: a custom matching rule accepts the {where(eqn)}, "
+                f"but no handler is registered for it. Register one with "
+                f"dispatcher.register_handler({name!r}, handler), or build the Interpreter "
+                f"with policy=InterpreterPolicy.IGNORE to re-bind it unchanged."
+            )
         if self.policy is InterpreterPolicy.RAISE:
             raise NotImplementedError(message)
         warnings.warn(message, stacklevel=2)
