@@ -251,8 +251,19 @@ def jitted_below_three(state):
     return state[0] < 3
 
 
+@jax.custom_vjp
+def doubled(x):
+    return x * 2
+
+
+doubled.defvjp(lambda x: (doubled(x), None), lambda _, g: (g * 2,))
+
+
 CONDITIONS_WITH_CONTROL_FLOW = {
     "jit": jitted_below_three,
+    "custom_jvp": lambda s: jax.nn.relu(s[0]) < 3,
+    "custom_vjp": lambda s: doubled(s[0]) < 6,
+    "scan": lambda s: lax.scan(lambda c, _: (c, None), s[0], None, length=2)[0] < 3,
     "cond": lambda s: lax.cond(s[0] < 3, lambda: True, lambda: False),
     "checkpoint": lambda s: jax.checkpoint(lambda i: i < 3)(s[0]),
     "nested_jit": jax.jit(
