@@ -425,3 +425,53 @@ def test_interpreting_an_interpreted_function():
     assert int(inner_ctx) == 1
     # The outer interpreter sees the sin that the inner handler binds.
     assert int(outer_ctx) == 11
+
+
+@jax.custom_jvp
+def _soft(x):
+    return jnp.log1p(jnp.exp(x))
+
+
+_soft.defjvp(lambda p, t: (_soft(p[0]), jax.nn.sigmoid(p[0]) * t[0]))
+
+
+@jax.custom_vjp
+def _scaled(x):
+    return x * 3.0
+
+
+_scaled.defvjp(lambda x: (_scaled(x), None), lambda _, g: (g * 3.0,))
+
+
+def every_control_flow(x, with_while=True):
+    y = jax.jit(jnp.sin)(x)
+    y = lax.scan(lambda c, xi: (c + xi, c * xi), 0.0, y)[1]
+    y = lax.cond(jnp.sum(y) > 0, jnp.cos, jnp.sin, y)
+    if with_while:  # not reverse-differentiable
+        y = lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 0.9), (0, y))[1]
+    y = jax.checkpoint(jnp.tanh)(y)
+    return jnp.sum(_scaled(_soft(y)))
+
+
+def test_ignore_policy_rebinds_every_control_flow_primitive():
+    """With no handler at all, IGNORE re-binds each control-flow equation through
+    `get_bind_params` (custom_jvp/custom_vjp included), and `grad` still works."""
+    interpreted = reinterpret(
+        every_control_flow, Interpreter(Dispatcher(), InterpreterPolicy.IGNORE)
+    )
+    out, ctx = interpreted("ctx", X)
+    np.testing.assert_allclose(out, every_control_flow(X), rtol=1e-6)
+    assert ctx == "ctx"
+    grad = jax.grad(lambda x: interpreted("ctx", x, with_while=False)[0])(X)
+    want = jax.grad(lambda x: every_control_flow(x, with_while=False))(X)
+    np.testing.assert_allclose(grad, want, rtol=1e-5)
+    out_jit = jax.jit(lambda x: interpreted("ctx", x)[0])(X)
+    np.testing.assert_allclose(out_jit, every_control_flow(X), rtol=1e-6)
+
+
+def test_raise_policy_names_the_first_unhandled_primitive():
+    with pytest.raises(NotImplementedError, match="'jit'"):
+        reinterpret(every_control_flow, Interpreter(Dispatcher()))(0, X)
+    dispatcher = Dispatcher({"jit": default_dispatcher().handler_for("jit")})
+    with pytest.raises(NotImplementedError, match="'scan'"):
+        reinterpret(every_control_flow, Interpreter(dispatcher))(0, X)
