@@ -310,7 +310,9 @@ def test_reinterpret_swapped_arguments():
 
 
 @pytest.mark.parametrize(
-    "dispatcher", [{"sin": count_sin}, default_dispatcher, None, "default"], ids=repr
+    "dispatcher",
+    [{"sin": count_sin}, default_dispatcher, None, "default"],
+    ids=["dict", "factory", "none", "string"],
 )
 def test_interpreter_non_dispatcher(dispatcher):
     with pytest.raises(TypeError) as info:
