@@ -49,27 +49,29 @@ Params = dict[str, jax.Array]
 # ---------------------------------------------------------------------------
 
 
-def init_params(key: jax.Array) -> Params:
+def init_params(seed: int = 0) -> Params:
     """A 4-16-1 MLP with a ReLU hidden layer."""
-    k1, k2 = jax.random.split(key)
+    rng = np.random.default_rng(seed)
     return {
-        "w1": jax.random.normal(k1, (FEATURES, HIDDEN)) / 2,
+        "w1": jnp.asarray(rng.normal(size=(FEATURES, HIDDEN)) / 2, jnp.float32),
         "b1": jnp.zeros(HIDDEN),
-        "w2": jax.random.normal(k2, (HIDDEN,)) / 4,
+        "w2": jnp.asarray(rng.normal(size=HIDDEN) / 4, jnp.float32),
         "b2": jnp.zeros(()),
     }
 
 
-def make_data(steps: int, devices: int) -> tuple[jax.Array, jax.Array]:
-    """One batch per step, `SAMPLES_PER_SHARD` samples per device."""
-    xs = jax.random.normal(jax.random.key(1), (steps, devices * SAMPLES_PER_SHARD, FEATURES))
-    ys = jnp.tanh(xs @ jnp.arange(1.0, FEATURES + 1) / 4)
+def make_data(steps: int, devices: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """One batch per step, `SAMPLES_PER_SHARD` samples per device (NumPy arrays:
+    building them with JAX would compile a program per operation)."""
+    rng = np.random.default_rng(seed)
+    xs = rng.normal(size=(steps, devices * SAMPLES_PER_SHARD, FEATURES)).astype(np.float32)
+    ys = np.tanh(xs @ np.arange(1.0, FEATURES + 1, dtype=np.float32) / 4)
     return xs, ys
 
 
 def hidden(params: Params, x: jax.Array) -> jax.Array:
     """The hidden layer, on samples normalised to unit root-mean-square."""
-    x = x / jnp.sqrt(jnp.mean(x * x, axis=1, keepdims=True))
+    x = x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True))
     return jax.nn.relu(x @ params["w1"] + params["b1"])
 
 
@@ -218,8 +220,8 @@ class _Setup:
     mesh: Mesh
     train: Callable[..., Any]
     params: Params
-    xs: jax.Array
-    ys: jax.Array
+    xs: np.ndarray
+    ys: np.ndarray
     plain_losses: np.ndarray
 
 
@@ -261,7 +263,13 @@ def _counts(setup: _Setup, report: _Report) -> None:
     report.text()
     header = ["primitive", "per shard and step", "per SGD update", "total"]
     report.text(_table(header, rows))
-    report.text(f"  {'':<{len(max(names, key=len))}}  total: {sum(total.values())}")
+    in_bodies = steps * devices * sum(per_shard.values())
+    in_updates = steps * sum(per_update.values())
+    report.text(
+        f"  {sum(total.values())} primitives ran: {in_bodies} in the shard_map bodies, "
+        f"{in_updates} in the updates, {sum(total.values()) - in_bodies - in_updates} before "
+        "the scan."
+    )
     report.para(
         "pvary: JAX's cast of a replicated value to a per-shard one (check_vma=True). "
         "psum_invariant: the psum of the loss (in pmean) and of the gradients (the "
@@ -319,10 +327,15 @@ def _reap(setup: _Setup, report: _Report) -> None:
     # The oracle: the same steps in a Python loop of plain JAX, and the statistic
     # recomputed from the parameters of each step, shard by shard.
     step = jax.jit(lambda params, x, y: setup.train(params, x[None], y[None], LEARNING_RATE))
+
+    @jax.jit
+    def active_per_shard(params: Params, x: jax.Array) -> jax.Array:
+        shards = x.reshape(options.devices, SAMPLES_PER_SHARD, FEATURES)
+        return jnp.mean(hidden(params, shards) > 0, axis=(1, 2))
+
     params, expected = setup.params, []
     for x, y in zip(setup.xs, setup.ys):
-        shards = x.reshape(options.devices, SAMPLES_PER_SHARD, FEATURES)
-        expected.append([float(jnp.mean(hidden(params, shard) > 0)) for shard in shards])
+        expected.append(active_per_shard(params, x))
         params, _ = step(params, x, y)
     expected = np.asarray(expected)
     one_unit = 1 / (SAMPLES_PER_SHARD * HIDDEN)
@@ -347,7 +360,8 @@ def _checks(setup: _Setup, report: _Report) -> None:
         "checked(train) returns the first failure, with its step (the scan iteration) and shard."
     )
     run = jax.jit(checked(setup.train))
-    bad = setup.xs.at[options.bad_step, options.bad_shard * SAMPLES_PER_SHARD + 7, 1].set(1000.0)
+    bad = setup.xs.copy()
+    bad[options.bad_step, options.bad_shard * SAMPLES_PER_SHARD + 7, 1] = 1000.0
     (_, losses), clean_error = run(setup.params, setup.xs, setup.ys, LEARNING_RATE)
     _, bad_error = run(setup.params, bad, setup.ys, LEARNING_RATE)
     _, lr_error = run(setup.params, setup.xs, setup.ys, -LEARNING_RATE)
@@ -391,7 +405,8 @@ def _nans(setup: _Setup, report: _Report) -> None:
         "output of every equation and reports the first NaN or Inf: primitive, line, step, shard."
     )
     run = jax.jit(find_nans(setup.train))
-    zero = setup.xs.at[options.nan_step, options.nan_shard * SAMPLES_PER_SHARD + 11].set(0.0)
+    zero = setup.xs.copy()
+    zero[options.nan_step, options.nan_shard * SAMPLES_PER_SHARD + 11] = 0.0
     (_, losses), clean = run(setup.params, setup.xs, setup.ys, LEARNING_RATE)
     (_, zero_losses), found = run(setup.params, zero, setup.ys, LEARNING_RATE)
     report.text()
@@ -457,7 +472,7 @@ def run(options: Options) -> int:
     devices = jax.devices()[: options.devices]
     mesh = jax.make_mesh((options.devices,), (AXIS,), axis_types=(AxisType.Auto,), devices=devices)
     train = make_train(mesh)
-    params = init_params(jax.random.key(0))
+    params = init_params()
     xs, ys = make_data(options.steps, options.devices)
 
     report.text(
