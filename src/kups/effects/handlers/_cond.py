@@ -13,6 +13,7 @@ from .._body import TracedBody, interpret_fn, trace_body, trace_interpreted
 from .._context import CtxSpec, diff, split
 from .._interpreter import where
 from .._types import HandlerResult
+from ._while import _forwarded_inputs
 
 
 def default_cond_handler(
@@ -44,6 +45,11 @@ def default_cond_handler(
             )
     traced = _join_varying_ctx(interpreter, branches, spec, traced)
     first = traced[0]
+    num_ctx = first.num_ctx_out
+    # A context leaf that every branch returns unchanged bypasses the cond, as
+    # `lax.cond` forwards such outputs itself: under `vmap` with a batched
+    # predicate, it would otherwise come out batched.
+    forwarded = _forwarded_ctx(traced, num_ctx, spec.num_values)
     # Every branch takes the consts of all branches, then the context and operands.
     all_consts = [c for body in traced for c in body.consts]
     const_avals = [v.aval for body in traced for v in body.jaxpr.invars[: body.num_consts]]
@@ -54,16 +60,37 @@ def default_cond_handler(
         padding_before = [_compat.new_var(a) for a in const_avals[:offset]]
         padding_after = [_compat.new_var(a) for a in const_avals[offset + body.num_consts :]]
         invars = [*padding_before, *own, *padding_after, *body.jaxpr.invars[body.num_consts :]]
+        outvars = [v for v, f in zip(body.jaxpr.outvars, forwarded, strict=False) if f is None]
+        outvars += body.jaxpr.outvars[num_ctx:]
         new_branches.append(
-            _compat.new_closed_jaxpr(_compat.replace_jaxpr(body.jaxpr, invars=invars), ())
+            _compat.new_closed_jaxpr(
+                _compat.replace_jaxpr(body.jaxpr, invars=invars, outvars=outvars), ()
+            )
         )
         offset += body.num_consts
     new_params = _compat.cond_params(eqn.params, branches=tuple(new_branches))
     out = _compat.bind_equation(
         eqn.primitive, new_params, [index, *all_consts, *ctx_values, *operands]
     )
-    num_ctx = first.num_ctx_out
-    return HandlerResult(first.ctx_out.unflatten(out[:num_ctx]), out[num_ctx:])
+    num_passed = forwarded.count(None)
+    passed = iter(out[:num_passed])
+    ctx_out = [next(passed) if f is None else ctx_values[f] for f in forwarded]
+    return HandlerResult(first.ctx_out.unflatten(ctx_out), out[num_passed:])
+
+
+def _forwarded_ctx(traced: list[TracedBody], num_ctx: int, num_ctx_in: int) -> list[int | None]:
+    """For each context output, the index of the context input that every branch
+    returns unchanged, or `None`."""
+    forwarded: list[int | None] = []
+    per_branch = [_forwarded_inputs(body.jaxpr)[:num_ctx] for body in traced]
+    for i in range(num_ctx):
+        sources = {
+            None if fwd[i] is None else fwd[i] - body.num_consts
+            for fwd, body in zip(per_branch, traced, strict=True)
+        }
+        source = sources.pop() if len(sources) == 1 else None
+        forwarded.append(source if source is not None and 0 <= source < num_ctx_in else None)
+    return forwarded
 
 
 def _join_varying_ctx(

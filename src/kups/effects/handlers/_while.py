@@ -60,19 +60,68 @@ def default_while_handler(
     # the predicate.
     new_cond = consts_first(cond, num_ctx, cond_nconsts)
     new_cond = _compat.replace_jaxpr(new_cond, outvars=new_cond.outvars[num_ctx:])
+    new_body = consts_first(body, num_ctx, body_nconsts)
+    # Context leaves the body returns unchanged are consts, not carries, as
+    # `lax.while_loop` does for its own carries: under `vmap` with a batched
+    # predicate, every carry comes out batched.
+    body_fwd = _forwarded_inputs(body.jaxpr)[:num_ctx]
+    invariant = [f == body.num_consts + i for i, f in enumerate(body_fwd)]
+    num_invariant = sum(invariant)
+    if num_invariant:
+        num_cond_consts = cond.num_consts + cond_nconsts
+        new_cond = _invariant_ctx_first(new_cond, num_cond_consts, invariant, is_body=False)
+        num_body_consts = body.num_consts + body_nconsts
+        new_body = _invariant_ctx_first(new_body, num_body_consts, invariant, is_body=True)
+    invariant_values = [v for v, inv in zip(ctx_values, invariant, strict=True) if inv]
+    carried_values = [v for v, inv in zip(ctx_values, invariant, strict=True) if not inv]
     new_params = dict(
         params,
         cond_jaxpr=_compat.new_closed_jaxpr(new_cond, ()),
-        cond_nconsts=cond.num_consts + cond_nconsts,
-        body_jaxpr=_compat.new_closed_jaxpr(consts_first(body, num_ctx, body_nconsts), ()),
-        body_nconsts=body.num_consts + body_nconsts,
+        cond_nconsts=num_invariant + cond.num_consts + cond_nconsts,
+        body_jaxpr=_compat.new_closed_jaxpr(new_body, ()),
+        body_nconsts=num_invariant + body.num_consts + body_nconsts,
     )
     out = _compat.bind_equation(
         eqn.primitive,
         new_params,
-        [*cond.consts, *cond_consts, *body.consts, *body_consts, *ctx_values, *init],
+        [
+            *invariant_values,
+            *cond.consts,
+            *cond_consts,
+            *invariant_values,
+            *body.consts,
+            *body_consts,
+            *carried_values,
+            *init,
+        ],
     )
-    return HandlerResult(body.ctx_out.unflatten(out[:num_ctx]), out[num_ctx:])
+    num_carried = len(carried_values)
+    carried_out = iter(out[:num_carried])
+    ctx_out = [
+        v if inv else next(carried_out) for v, inv in zip(ctx_values, invariant, strict=True)
+    ]
+    return HandlerResult(body.ctx_out.unflatten(ctx_out), out[num_carried:])
+
+
+def _invariant_ctx_first(
+    jaxpr: Any, num_consts: int, invariant: list[bool], *, is_body: bool
+) -> Any:
+    """A while condition (`[consts, ctx, carry] -> [pred]`) or body (`[consts, ctx,
+    carry] -> [ctx, carry]`) with the invariant context inputs moved in front of its
+    consts, and the body's outputs for them dropped."""
+    num_ctx = len(invariant)
+    invars = jaxpr.invars
+    ctx_vars = invars[num_consts : num_consts + num_ctx]
+    moved = [v for v, inv in zip(ctx_vars, invariant, strict=True) if inv]
+    kept = [v for v, inv in zip(ctx_vars, invariant, strict=True) if not inv]
+    new_invars = [*moved, *invars[:num_consts], *kept, *invars[num_consts + num_ctx :]]
+    outvars = jaxpr.outvars
+    if is_body:
+        outvars = [
+            *(v for v, inv in zip(outvars[:num_ctx], invariant, strict=True) if not inv),
+            *outvars[num_ctx:],
+        ]
+    return _compat.replace_jaxpr(jaxpr, invars=new_invars, outvars=outvars)
 
 
 def _check_condition_keeps_ctx(eqn: JaxprEqn, spec: CtxSpec, cond: TracedBody) -> None:
