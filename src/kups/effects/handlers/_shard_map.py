@@ -164,7 +164,9 @@ def default_shard_map_handler(
     def bind(*args: Any) -> list[Any]:
         return _compat.bind_equation(eqn.primitive, new_params, args)
 
-    if any(isinstance(a, _compat.Tracer) for a in args):
+    if any(isinstance(a, _compat.Tracer) for a in args) or not _contains_shard_map(body.jaxpr):
+        # Eagerly, bound as it is: JAX runs a shard_map body op by op, and compiling
+        # it instead could change the result in its last bits.
         out = bind(*args)
     else:
         # Run eagerly, JAX 0.10.2 fails on a shard_map nested in this one that takes a
@@ -172,6 +174,15 @@ def default_shard_map_handler(
         out = jax.jit(bind)(*args)
     num_ctx = out_spec.num_values
     return HandlerResult(out_spec.unflatten(out[:num_ctx]), out[num_ctx:])
+
+
+def _contains_shard_map(jaxpr: Any) -> bool:
+    jaxpr, _ = _compat.open_jaxpr(jaxpr)
+    return any(
+        eqn.primitive.name == "shard_map"
+        or any(_contains_shard_map(sub) for sub in _compat.jaxprs_in_params(eqn.params))
+        for eqn in jaxpr.eqns
+    )
 
 
 def _check_replication(
