@@ -472,6 +472,15 @@ def test_jitted_counts_print():
     assert re.search(r"sin\s+1\b", text)
 
 
+def test_vmapped_counts_print_one_count_per_element():
+    def doubling(x):
+        return lax.while_loop(lambda v: v < 10.0, lambda v: v * 2.0, x)
+
+    _, counts = jax.vmap(count_primitives(doubling))(jnp.array([1.0, 3.0, 20.0]))
+    assert re.search(r"mul\s+\[4 2 0\]", repr(counts))
+    assert "[5 3 1]" in counts._repr_html_()
+
+
 # ------------------------------------------------------------ errors, docs
 
 

@@ -118,7 +118,7 @@ def _is_traced(tree: Any) -> bool:
 
 
 def _as_int(count: Any) -> int | None:
-    if isinstance(count, Tracer):
+    if isinstance(count, Tracer) or np.ndim(count) != 0:
         return None
     return int(count)
 
@@ -127,8 +127,10 @@ def _format_count(count: Any) -> str:
     value = _as_int(count)
     if value is not None:
         return str(value)
-    aval = jax.typeof(count)
-    return f"traced {aval.str_short()}"
+    if isinstance(count, Tracer):
+        return f"traced {jax.typeof(count).str_short()}"
+    # One count per element, as `jax.vmap` of a counted function returns them.
+    return np.array2string(np.asarray(count))
 
 
 def _flatten_counts(counts: PrimitiveCounts) -> tuple[Iterable[tuple[Any, Any]], tuple[str, ...]]:
