@@ -13,6 +13,7 @@ from .._context import CtxSpec, same_type, split
 from .._interpreter import where
 from .._types import HandlerResult, ScanSemantics
 from ._loop import Initializer, Updater, arg_avals_of, consts_first, resolve_carry, with_updater
+from ._while import _forwarded_inputs, _invariant_ctx_first
 
 
 def default_scan_handler(
@@ -72,18 +73,34 @@ def default_scan_handler(
 
     body, spec, ctx_values = resolve_carry(eqn, "scan", trace, ctx, initializer)
     body = with_updater(interpreter, eqn, "scan", body, arg_avals, updater)
-    jaxpr = consts_first(body, spec.num_values, num_consts)
+    num_ctx = spec.num_values
+    jaxpr = consts_first(body, num_ctx, num_consts)
+    # Context leaves the body returns unchanged are consts, not carries, as
+    # `lax.scan` does for its own carries: XLA compiles a loop-invariant carry into
+    # a different (larger) program.
+    body_fwd = _forwarded_inputs(body.jaxpr)[:num_ctx]
+    invariant = [f == body.num_consts + i for i, f in enumerate(body_fwd)]
+    num_invariant = sum(invariant)
+    if num_invariant:
+        jaxpr = _invariant_ctx_first(jaxpr, body.num_consts + num_consts, invariant, is_body=True)
+    invariant_values = [v for v, inv in zip(ctx_values, invariant, strict=True) if inv]
+    carried_values = [v for v, inv in zip(ctx_values, invariant, strict=True) if not inv]
     new_params = _compat.scan_params(
         params,
         jaxpr=_compat.new_closed_jaxpr(jaxpr, ()),
-        num_consts=body.num_consts + num_consts,
-        num_carry=spec.num_values + num_carry,
+        num_consts=num_invariant + body.num_consts + num_consts,
+        num_carry=len(carried_values) + num_carry,
     )
     out = _compat.bind_equation(
-        eqn.primitive, new_params, [*body.consts, *consts, *ctx_values, *carry, *xs]
+        eqn.primitive,
+        new_params,
+        [*invariant_values, *body.consts, *consts, *carried_values, *carry, *xs],
     )
-    num_ctx = spec.num_values
-    return HandlerResult(body.ctx_out.unflatten(out[:num_ctx]), out[num_ctx:])
+    carried_out = iter(out[: len(carried_values)])
+    ctx_out = [
+        v if inv else next(carried_out) for v, inv in zip(ctx_values, invariant, strict=True)
+    ]
+    return HandlerResult(body.ctx_out.unflatten(ctx_out), out[len(carried_values) :])
 
 
 def _scan_result(
