@@ -281,8 +281,15 @@ CONTROL_FLOW = {
     "custom_linear_solve",
 }
 COMBINERS = {"scatter-add", "reduce", "reduce_window", "sort"}
-COLLECTIVES = {"psum", "pmax", "all_gather", "ppermute", "axis_index", "reduce_scatter"}
-COLLECTIVES |= {"all_to_all"}
+COLLECTIVES = {
+    "psum",
+    "pmax",
+    "all_gather",
+    "ppermute",
+    "axis_index",
+    "reduce_scatter",  # lax.psum_scatter
+    "all_to_all",
+}
 
 
 def _subjaxprs(eqn: Any) -> list[Any]:
@@ -339,6 +346,11 @@ def test_corpus_covers_every_primitive():
     for name, cs in chains.items():
         if name.startswith("nest/"):
             assert max(map(len, cs)) >= 3, name
+
+
+def test_every_transformation_meets_every_context():
+    for transform in ("jit", "twice", "twice outer", "vmap", "grad", "vjp", "jvp", "eager"):
+        assert {ctx_for(c, transform) for c in CASES} == set(CTX_NAMES), transform
 
 
 def test_corpus_dtypes_and_meshes():
