@@ -30,7 +30,10 @@ Conventions every case follows, so that generic drivers can use it:
 - `args` are JAX arrays (or Python scalars, which drivers treat as static, like
   equinox's filter transforms do). Calling `fn(*args)` never deletes an
   argument: donating programs donate copies.
-- `fn` is deterministic: it can be compared bit for bit with itself.
+- `fn` is deterministic: it can be compared bit for bit with itself, and eagerly
+  with its staged program (`jax.make_jaxpr`) evaluated eagerly. (An inner `jit`
+  that closes over an argument breaks the latter: eagerly, XLA constant-folds
+  the concrete array in the last bits differently from the compiled kernels.)
 - With `vmap=True`, `fn` can be batched with `jax.vmap` over a new leading axis of
   every array argument, built with `batch_args` (which also perturbs the second
   entry so that the batch is not constant). Every loop still terminates then.

@@ -567,3 +567,23 @@ def test_scan_with_an_unchanged_context_compiles_to_the_same_program():
         return reinterpret(fn, IDENTITY)(ctx, key)
 
     assert_same_compiled_ops(actual, expected, {"a": jnp.ones(3)}, jax.random.PRNGKey(0))
+
+
+def test_eager_matches_the_staged_program_where_eager_jax_folds_constants():
+    # Where bit-for-bit against eager `f` is out of reach: eagerly, an inner `jit`
+    # closing over a concrete array (here `a`, an argument of `f`) bakes it into the
+    # compiled program, and XLA constant-folds `tanh(sin(a))` with its evaluator, whose
+    # last bits differ from the compiled kernels'. `reinterpret` traces `f`, so `a`
+    # is an input there, as in `jax.jit(f)`: the oracle is the staged program,
+    # evaluated eagerly.
+    def f(a, b):
+        return jax.jit(lambda c: jnp.tanh(jnp.sin(a)) + c)(b)
+
+    a = jnp.asarray(np.random.RandomState(0).uniform(-3, 3, 256), jnp.float32)
+    b = jnp.float32(0.0)
+    staged = jax.make_jaxpr(f)(a, b)
+    expected = jax.core.eval_jaxpr(staged.jaxpr, staged.consts, a, b)[0]
+    out, ctx_out = reinterpret(f, IDENTITY)({"n": jnp.int32(1)}, a, b)
+    assert_trees_equal(out, expected)
+    assert_trees_equal(out, jax.jit(f)(a, b))
+    assert_ctx_unchanged(ctx_out, {"n": jnp.int32(1)})
