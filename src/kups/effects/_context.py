@@ -128,9 +128,37 @@ def diff(a: CtxSpec, b: CtxSpec) -> list[str]:
         left, right = da.get(path, "absent"), db.get(path, "absent")
         if left != right:
             lines.append(f"  ctx{path}: {left} vs {right}")
+            if left.startswith("static ") and right.startswith("static "):
+                lines.append(
+                    f"  (ctx{path} is not an array, so kups keeps it static and it cannot "
+                    f"change here; if it holds arrays, register its type as a pytree, e.g. "
+                    f"with jax.tree_util.register_dataclass or as an equinox.Module)"
+                )
     if not lines and a.treedef != b.treedef:
         lines.append(f"  tree structure: {a.treedef} vs {b.treedef}")
     return lines
+
+
+def _holds_tracer(leaf: Any) -> bool:
+    """Whether a static leaf is, or directly holds in an attribute, a tracer."""
+    if isinstance(leaf, _compat.Tracer):
+        return True
+    attributes = list(getattr(leaf, "__dict__", {}).values())
+    attributes += [getattr(leaf, name, None) for name in getattr(type(leaf), "__slots__", ())]
+    return any(isinstance(value, _compat.Tracer) for value in attributes)
+
+
+def leaked_static_paths(ctx_before: Any, ctx_after: Any) -> list[tuple[str, str]]:
+    """`(path, type name)` of the static leaves of `ctx_after` that are new (not a
+    leaf of `ctx_before`) and hold a tracer: an object that is not a pytree,
+    carrying an array out of a traced body, where the array's tracer is dead."""
+    before = {id(leaf) for leaf in jax.tree.leaves(ctx_before)}
+    path_leaves, _ = jax.tree_util.tree_flatten_with_path(ctx_after)
+    return [
+        (keystr(path), type(leaf).__name__)
+        for path, leaf in path_leaves
+        if not is_value(leaf) and id(leaf) not in before and _holds_tracer(leaf)
+    ]
 
 
 def uninitialized_paths(ctx: Any) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from . import _compat
+from ._context import leaked_static_paths
 from ._dispatcher import Dispatcher
 from ._matching import contains_subjaxprs, is_control_flow
 from ._types import InterpreterPolicy
@@ -149,7 +150,10 @@ class Interpreter:
                 eqn.ctx.manager,
             ):
                 if handler is not None:
+                    ctx_before = ctx
                     ctx, outvals = self._dispatch(handler, ctx, eqn, invals)
+                    if control_flow:
+                        _check_static_leaves(handler, eqn, ctx_before, ctx)
                 elif control_flow or (rules and any(rule(ctx, eqn, invals) for rule in rules)):
                     outvals = self._unhandled(eqn, invals)
                 elif fallback is not None:
@@ -208,6 +212,22 @@ class Interpreter:
 def _name(handler: Any) -> str:
     func = getattr(handler, "func", handler)  # functools.partial
     return getattr(func, "__qualname__", None) or type(handler).__name__
+
+
+def _check_static_leaves(handler: Any, eqn: JaxprEqn, ctx_before: Any, ctx: Any) -> None:
+    leaked = leaked_static_paths(ctx_before, ctx)
+    if leaked:
+        path, type_name = leaked[0]
+        raise TypeError(
+            f"The handler {_name(handler)} for {where(eqn)} returned a context whose leaf "
+            f"ctx{path} is a {type_name} holding a traced array. A context leaf that is "
+            f"not an array (nor a pytree of arrays) is static to kups, like a string, so "
+            f"it cannot carry an array out of the '{eqn.primitive.name}' body: the array "
+            f"would be a leaked tracer. Register {type_name} as a pytree (for example "
+            f"with jax.tree_util.register_dataclass or "
+            f"jax.tree_util.register_pytree_node_class, or make it an equinox.Module) so "
+            f"that its arrays are context leaves."
+        )
 
 
 def _check_outvals(handler: Any, eqn: JaxprEqn, outvals: Any) -> None:
