@@ -47,7 +47,9 @@ def _flat_specs(
         if not _is_spec(leaf):
             raise ValueError(
                 f"{what} for the shard_map ({where(eqn)}) gave ctx{keystr(path)} "
-                f"{leaf!r}, which is not a jax.sharding.PartitionSpec."
+                f"{leaf!r}, which is not a jax.sharding.PartitionSpec. Return one "
+                f"PartitionSpec for the whole context, or a pytree with the context's "
+                f"structure {spec.treedef} holding one PartitionSpec per leaf."
             )
         specs.append(leaf)
     del ctx_tree
