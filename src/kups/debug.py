@@ -578,6 +578,11 @@ def find_nans(fn: Callable[..., Any]) -> Callable[..., tuple[Any, NanReport]]:
     print(report.source)  # the file and line of `jnp.log(x)`
     ```
     """
+    if not callable(fn):
+        raise TypeError(
+            f"find_nans(fn) needs a callable fn, got {type(fn).__name__}. Pass the "
+            f"function itself, not its result: find_nans(f)(x)."
+        )
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, NanReport]:

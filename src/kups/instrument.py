@@ -300,6 +300,11 @@ def count_primitives(fn: Callable[..., Any]) -> Callable[..., tuple[Any, Primiti
     assert counts == {"add": 3, "sin": 3}  # the loop index is incremented each time
     ```
     """
+    if not callable(fn):
+        raise TypeError(
+            f"count_primitives(fn) needs a callable fn, got {type(fn).__name__}. Pass the "
+            f"function itself, not its result: count_primitives(f)(x)."
+        )
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, PrimitiveCounts]:
