@@ -1,0 +1,655 @@
+"""A catalogue of user mistakes, across the framework and the effects.
+
+Each test makes one mistake the way a user would, and checks what they get: the
+exception type, and a message that names the primitive or the effect, the
+user's line (`test_errors.py:LINE`, marked `# <NAME>` below) where there is
+one, and the fix. Some mistakes are JAX's to report (a mesh made without
+`axis_types`); those check that kups passes JAX's message through unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kups.checks import check, checked
+from kups.debug import find_nans
+from kups.effects import (
+    Dispatcher,
+    HandlerResult,
+    Interpreter,
+    InterpreterPolicy,
+    default_dispatcher,
+    default_scan_handler,
+    default_shard_map_handler,
+    default_while_handler,
+    define_effect,
+    reinterpret,
+)
+from kups.harvest import plant, reap, sow
+from kups.instrument import count_primitives
+
+X = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+
+
+def _marker_lines() -> dict[str, int]:
+    lines = {}
+    with open(__file__) as source:
+        for number, text in enumerate(source, start=1):
+            match = re.search(r"# <(\w+)>$", text)
+            if match:
+                lines[match.group(1)] = number
+    return lines
+
+
+LINES = _marker_lines()
+
+
+def at(marker: str) -> str:
+    """How a message names the line marked `# <marker>` in this file."""
+    return f"test_errors.py:{LINES[marker]}"
+
+
+def expect(exception: type[BaseException], call, *fragments: str) -> str:
+    """Runs `call()`, which must raise `exception` with every fragment in its message."""
+    with pytest.raises(exception) as info:
+        call()
+    message = str(info.value)
+    missing = [fragment for fragment in fragments if fragment not in message]
+    assert not missing, f"{missing} not in the message:\n{message}"
+    return message
+
+
+def identity_with(**handlers) -> Interpreter:
+    dispatcher = default_dispatcher()
+    for name, handler in handlers.items():
+        dispatcher.register_handler(name, handler)
+    return Interpreter(dispatcher)
+
+
+def add_one_at_sin(interpreter, ctx, eqn, invals):
+    return HandlerResult(ctx + 1, [jnp.sin(invals[0])])
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+
+
+# ---------------------------------------------------------------------------
+# Meshes and contexts.
+# ---------------------------------------------------------------------------
+
+
+def test_mesh_without_axis_types_is_jax_error_unchanged():
+    # Since JAX 0.9, `make_mesh` without `axis_types` makes Explicit axes: a
+    # shard_map then wants inputs already sharded as its in_specs say. That is
+    # JAX's error, and kups must neither hide nor reword it.
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    assert mesh.axis_types == (AxisType.Explicit,) * 2
+
+    def user(x):
+        return jax.shard_map(lambda b: b * 2.0, mesh=mesh, in_specs=P("x"), out_specs=P("x"))(x)
+
+    plain = expect(ValueError, lambda: user(X), "in_specs passed to shard_map", "reshard")
+    counted = expect(ValueError, lambda: count_primitives(user)(X))
+    assert counted == plain
+    # The fix JAX names works through kups too: shard the input first.
+    sharded = jax.device_put(X, NamedSharding(mesh, P("x")))
+    out, counts = count_primitives(user)(sharded)
+    np.testing.assert_array_equal(out, X * 2.0)
+    assert counts["mul"] == 8  # once per shard: the body is manual over x and y
+
+
+class Tally:
+    """A context class the user forgot to register as a pytree."""
+
+    def __init__(self, n):
+        self.n = n
+
+
+def tally_sin(interpreter, ctx, eqn, invals):
+    return HandlerResult(Tally(ctx.n + 1), [jnp.sin(invals[0])])
+
+
+def user_jit_sin(x):
+    return jax.jit(jnp.sin)(x)  # <JIT_SIN>
+
+
+def user_scan_sin(xs):
+    return lax.scan(lambda c, x: (c + jnp.sin(x), None), 0.0, xs)[0]  # <SCAN_SIN>
+
+
+def test_unregistered_context_class_holding_arrays_in_jit():
+    # An object that is not a pytree is one static leaf, like a string. Its array
+    # cannot come out of a jit: without a check it would leak a tracer.
+    interpreter = identity_with(sin=tally_sin)
+    expect(
+        TypeError,
+        lambda: reinterpret(user_jit_sin, interpreter)(Tally(jnp.int32(0)), X),
+        "ctx",
+        "Tally",
+        "static",
+        "'jit'",
+        at("JIT_SIN"),
+        "register",
+        "pytree",
+    )
+
+
+def test_unregistered_context_class_in_a_loop():
+    interpreter = identity_with(sin=tally_sin)
+    expect(
+        ValueError,
+        lambda: reinterpret(user_scan_sin, interpreter)(Tally(0), X),
+        "'scan'",
+        at("SCAN_SIN"),
+        "static",
+        "Tally",
+        "pytree",
+    )
+    # Registered as a pytree, the same handler works: its `n` is a loop carry.
+    interpreter = identity_with(sin=lambda i, ctx, e, v: HandlerResult(ctx.add(), [jnp.sin(v[0])]))
+    _, ctx = reinterpret(user_scan_sin, interpreter)(RegisteredTally(jnp.int32(0)), X)
+    assert int(ctx.n) == X.shape[0]
+
+
+@jax.tree_util.register_pytree_node_class
+class RegisteredTally:
+    def __init__(self, n):
+        self.n = n
+
+    def add(self):
+        return RegisteredTally(self.n + 1)
+
+    def tree_flatten(self):
+        return (self.n,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+# ---------------------------------------------------------------------------
+# Handlers returning the wrong thing, deep inside a program.
+# ---------------------------------------------------------------------------
+
+
+def user_shard_map_sin(x, mesh):
+    def body(b):
+        return jnp.sin(b) * 2.0  # <SM_SIN>
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(x)
+
+
+def test_handler_returning_a_tuple_of_outputs(mesh):
+    def returns_tuple(interpreter, ctx, eqn, invals):
+        return HandlerResult(ctx, (jnp.sin(invals[0]),))
+
+    expect(
+        TypeError,
+        lambda: reinterpret(user_shard_map_sin, identity_with(sin=returns_tuple))(0, X, mesh),
+        "'sin'",
+        "returns_tuple",
+        at("SM_SIN"),
+        "must be a list",
+        "HandlerResult(ctx, [y])",
+    )
+
+
+def test_handler_returning_a_bare_value(mesh):
+    def returns_value(interpreter, ctx, eqn, invals):
+        return jnp.sin(invals[0])
+
+    expect(
+        TypeError,
+        lambda: reinterpret(user_shard_map_sin, identity_with(sin=returns_value))(0, X, mesh),
+        "'sin'",
+        "returns_value",
+        at("SM_SIN"),
+        "HandlerResult(ctx, outvals)",
+    )
+
+
+def user_cond_sin(x):
+    return lax.cond(x[0] > 0, lambda a: jnp.sin(a), jnp.cos, x)  # <COND_SIN>
+
+
+@pytest.mark.parametrize(
+    ("result", "fragments"),
+    [
+        (lambda y: y.astype(jnp.float16), ["float16[8]", "float32[8]", "shape and dtype"]),
+        (lambda y: y[:4], ["float32[4]", "float32[8]", "shape and dtype"]),
+        (lambda y: [y, y], ["returned 2 outvals", "one value per output"]),
+    ],
+    ids=["dtype", "shape", "count"],
+)
+def test_handler_returning_wrong_outputs_inside_cond(result, fragments):
+    def wrong(interpreter, ctx, eqn, invals):
+        out = result(jnp.sin(invals[0]))
+        return HandlerResult(ctx, out if isinstance(out, list) else [out])
+
+    expect(
+        (ValueError, TypeError),
+        lambda: jax.jit(reinterpret(user_cond_sin, identity_with(sin=wrong)))(0, X),
+        "'sin'",
+        at("COND_SIN"),
+        *fragments,
+    )
+
+
+# ---------------------------------------------------------------------------
+# shard_map options.
+# ---------------------------------------------------------------------------
+
+
+def shard_map_with(**options):
+    return identity_with(
+        sin=add_one_at_sin,
+        shard_map=functools.partial(default_shard_map_handler, **options),
+    )
+
+
+def user_shard_map(x, mesh):
+    body = jax.shard_map(jnp.sin, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    return body(x)  # <SM>
+
+
+def test_reduce_ctx_changing_the_context_structure(mesh):
+    interpreter = shard_map_with(reduce_ctx=lambda ctx: {"count": ctx})
+    expect(
+        ValueError,
+        lambda: reinterpret(user_shard_map, interpreter)(jnp.int32(0), X, mesh),
+        "reduce_ctx",
+        "'shard_map'",
+        at("SM"),
+        "same structure",
+        "jax.tree.map",
+    )
+
+
+def test_declare_ctx_in_specs_with_the_wrong_structure(mesh):
+    interpreter = shard_map_with(declare_ctx_in_specs=lambda ctx: {"a": P(), "b": P()})
+    expect(
+        ValueError,
+        lambda: reinterpret(user_shard_map, interpreter)({"a": jnp.int32(0)}, X, mesh),
+        "declare_ctx_in_specs",
+        "'shard_map'",
+        at("SM"),
+        "PartitionSpec",
+        "structure",
+    )
+
+
+def test_declare_ctx_in_specs_returning_a_tuple_for_one_leaf(mesh):
+    interpreter = shard_map_with(declare_ctx_in_specs=lambda ctx: (P(), P()))
+    expect(
+        ValueError,
+        lambda: reinterpret(user_shard_map, interpreter)(jnp.int32(0), X, mesh),
+        "declare_ctx_in_specs",
+        "'shard_map'",
+        at("SM"),
+        "one PartitionSpec",
+    )
+
+
+def test_varying_context_leaving_with_a_replicated_out_spec(mesh):
+    def add_shard_index(interpreter, ctx, eqn, invals):
+        return HandlerResult(ctx + lax.axis_index("x"), [jnp.sin(invals[0])])
+
+    expect(
+        ValueError,
+        lambda: reinterpret(user_shard_map, identity_with(sin=add_shard_index))(0, X, mesh),
+        "'shard_map'",
+        at("SM"),
+        "('x',)",
+        "reduce_ctx",
+        "declare_ctx_out_specs",
+    )
+
+
+# ---------------------------------------------------------------------------
+# Control flow.
+# ---------------------------------------------------------------------------
+
+
+def user_scan(xs):
+    return lax.scan(lambda c, x: (c * x, c), 1.0, xs)  # <SCAN>
+
+
+def test_unhandled_control_flow_under_raise():
+    interpreter = Interpreter(default_dispatcher().unregister_handler("scan"))
+    expect(
+        NotImplementedError,
+        lambda: reinterpret(user_scan, interpreter)(0, X),
+        "'scan'",
+        at("SCAN"),
+        "register_handler('scan', handler)",
+        "InterpreterPolicy.IGNORE",
+    )
+
+
+def record_sin(interpreter, ctx, eqn, invals):
+    y = jnp.sin(invals[0])
+    return HandlerResult({**ctx, "last": y}, [y])
+
+
+def user_while(x):
+    state = (0, x)
+    return lax.while_loop(lambda s: s[0] < 2, lambda s: (s[0] + 1, jnp.sin(s[1])), state)  # <WHILE>
+
+
+def test_loop_body_adding_context_leaves_without_initializer():
+    expect(
+        ValueError,
+        lambda: reinterpret(user_scan_sin, identity_with(sin=record_sin))({}, X),
+        "'scan'",
+        at("SCAN_SIN"),
+        "ctx['last']",
+        "initializer",
+    )
+
+
+def test_initializer_leaving_a_leaf_uninitialized():
+    interpreter = identity_with(
+        sin=record_sin,
+        **{"while": functools.partial(default_while_handler, initializer=lambda before, s: s)},
+    )
+    expect(
+        ValueError,
+        lambda: reinterpret(user_while, interpreter)({}, X),
+        "'while'",
+        at("WHILE"),
+        "Uninitialized: ctx['last']",
+        "starting value",
+    )
+
+
+def user_while_sin_condition(x):
+    return lax.while_loop(lambda c: jnp.sin(c) < 0.5, lambda c: c + 0.25, x)  # <WHILE_COND>
+
+
+def test_while_condition_changing_the_context():
+    expect(
+        ValueError,
+        lambda: reinterpret(user_while_sin_condition, identity_with(sin=add_one_at_sin))(
+            0, jnp.float32(0.0)
+        ),
+        "'while'",
+        at("WHILE_COND"),
+        "changes the context",
+        "thread_condition=True",
+    )
+
+
+def user_switch(i, x):
+    return lax.switch(i, [jnp.cos, jnp.sin, jnp.tanh], x)  # <SWITCH>
+
+
+def test_switch_branches_returning_different_contexts():
+    expect(
+        ValueError,
+        lambda: reinterpret(user_switch, identity_with(sin=record_sin))({}, 1, X),
+        "'cond'",
+        at("SWITCH"),
+        "branch 0 vs branch 1",
+        "ctx['last']: absent vs float32[8]",
+        "same structure",
+    )
+
+
+def test_scan_carry_initializer_with_the_wrong_dtype():
+    # The initializer builds the loop's first context: its leaves must have the
+    # shapes and dtypes the body returns.
+    def wrong_dtype(before, sentinel):
+        return {**sentinel, "last": jnp.zeros((), jnp.float16)}
+
+    interpreter = identity_with(
+        sin=record_sin, scan=functools.partial(default_scan_handler, initializer=wrong_dtype)
+    )
+    expect(
+        ValueError,
+        lambda: reinterpret(user_scan_sin, interpreter)({}, X),
+        "'scan'",
+        at("SCAN_SIN"),
+        "ctx['last']: float16[] vs float32[]",
+        "initializer",
+    )
+
+
+# ---------------------------------------------------------------------------
+# Building the machine wrongly.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("wrap", "name"),
+    [
+        (lambda fn: reinterpret(fn, Interpreter(default_dispatcher())), "reinterpret"),
+        (count_primitives, "count_primitives"),
+        (find_nans, "find_nans"),
+        (checked, "checked"),
+        (lambda fn: reap(fn, tag="t"), "reap"),
+        (lambda fn: plant(fn, tag="t"), "plant"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_wrapping_something_that_is_not_callable(wrap, name):
+    # A user who passes the result instead of the function (`f(x)` for `f`).
+    message = expect(TypeError, lambda: wrap(jnp.sin(X))(X), name, "callable")
+    assert "swap" not in message or name == "reinterpret"
+
+
+def test_interpreter_given_a_dict_of_handlers():
+    expect(
+        TypeError,
+        lambda: Interpreter({"sin": add_one_at_sin}),
+        "Dispatcher",
+        "dict",
+        "Dispatcher({primitive: handler})",
+    )
+
+
+def test_interpreter_policy_given_as_a_string():
+    expect(
+        TypeError,
+        lambda: Interpreter(default_dispatcher(), "raise"),
+        "InterpreterPolicy",
+        "'raise'",
+    )
+    assert Interpreter(default_dispatcher(), InterpreterPolicy.WARN).policy.name == "WARN"
+
+
+def test_registering_a_handler_that_is_not_callable():
+    expect(
+        TypeError,
+        lambda: Dispatcher().register_handler("sin", add_one_at_sin(None, 0, None, [X])),
+        "'sin'",
+        "handler(interpreter, ctx, eqn, invals)",
+    )
+
+
+def test_unregistering_a_handler_that_is_not_there():
+    expect(KeyError, lambda: default_dispatcher().unregister_handler("sin"), "'sin'", "'scan'")
+
+
+def test_define_effect_without_a_name():
+    expect(TypeError, lambda: define_effect(""), "define_effect", "non-empty string")
+
+
+# ---------------------------------------------------------------------------
+# kups.harvest.
+# ---------------------------------------------------------------------------
+
+
+def user_sow_twice(x):
+    h = sow(x * 2.0, tag="t", name="h")  # <SOW_FIRST>
+    return sow(jnp.sin(h), tag="t", name="h")  # <SOW_SECOND>
+
+
+def test_strict_name_sown_twice():
+    expect(
+        ValueError,
+        lambda: reap(user_sow_twice, tag="t")(X),
+        "'h'",
+        "tag 't'",
+        "strict",
+        at("SOW_FIRST"),
+        at("SOW_SECOND"),
+        "mode='clobber'",
+    )
+
+
+def user_append_in_while(x):
+    def body(state):
+        i, v = state
+        return i + 1, sow(v * 0.5, tag="t", name="steps", mode="append")  # <APPEND_SOW>
+
+    return lax.while_loop(lambda s: s[0] < 3, body, (0, x))  # <APPEND_WHILE>
+
+
+def test_append_inside_a_while_loop():
+    expect(
+        ValueError,
+        lambda: reap(user_append_in_while, tag="t")(X),
+        "'steps'",
+        "mode='append'",
+        at("APPEND_SOW"),
+        at("APPEND_WHILE"),
+        "use a scan",
+    )
+
+
+def user_strict_in_scan(xs):
+    def body(c, x):
+        return c + sow(x, tag="t", name="x", mode="strict"), None  # <STRICT_SCAN>
+
+    return lax.scan(body, 0.0, xs)[0]
+
+
+def test_strict_inside_a_scan():
+    expect(
+        ValueError,
+        lambda: reap(user_strict_in_scan, tag="t")(X),
+        "'x'",
+        "mode='strict'",
+        at("STRICT_SCAN"),
+        "mode='append'",
+    )
+
+
+def user_cond_sows(x):
+    return lax.cond(  # <COND_SOWS>
+        x[0] > 0,
+        lambda a: sow(a, tag="t", name="v"),
+        lambda a: sow(a[:2], tag="t", name="v").sum() + a,
+        x,
+    )
+
+
+def test_cond_branches_sowing_different_shapes():
+    expect(
+        ValueError,
+        lambda: reap(user_cond_sows, tag="t")(X),
+        "'v' (tag 't')",
+        "float32[2] vs float32[8]",
+        at("COND_SOWS"),
+        "same structure",
+    )
+
+
+def test_plant_of_a_name_never_sown():
+    expect(
+        ValueError,
+        lambda: plant(user_sow_twice, tag="t")({"hh": X}, X),
+        "['hh']",
+        "never sows",
+        "['h']",
+    )
+
+
+def user_sow_once(x):
+    return sow(x, tag="t", name="h") * 2.0  # <SOW_ONCE>
+
+
+def test_plant_of_a_value_with_the_wrong_shape():
+    expect(
+        ValueError,
+        lambda: plant(user_sow_once, tag="t")({"h": X[:3]}, X),
+        "'h'",
+        at("SOW_ONCE"),
+        "(3,)",
+        "(8,)",
+        "reap returns",
+    )
+
+
+def test_sow_with_an_unknown_mode():
+    expect(
+        ValueError,
+        lambda: sow(X, tag="t", name="h", mode="stack"),
+        "mode='stack'",
+        "'strict', 'append', 'clobber'",
+    )
+
+
+# ---------------------------------------------------------------------------
+# kups.checks.
+# ---------------------------------------------------------------------------
+
+
+def user_float_predicate(x):
+    check(jnp.sum(x), "sum is zero")  # <CHECK_FLOAT>
+    return x
+
+
+def user_array_predicate(x):
+    check(x > -2.0, "too small")  # <CHECK_ARRAY>
+    return x
+
+
+def user_fmt_mismatch(x):
+    check(jnp.all(x > 0), "bad values {} and {}", x[0])  # <CHECK_FMT>
+    return x
+
+
+def user_fmt_named(x):
+    check(jnp.all(x > 0), "bad value {value}", x[0])  # <CHECK_NAMED>
+    return x
+
+
+@pytest.mark.parametrize(
+    ("user", "marker", "error", "fragments"),
+    [
+        (user_float_predicate, "CHECK_FLOAT", TypeError, ["float32[]", "x > 0"]),
+        (user_array_predicate, "CHECK_ARRAY", ValueError, ["bool[8]", "jnp.all"]),
+        (user_fmt_mismatch, "CHECK_FMT", ValueError, ["argument 1", "one positional argument"]),
+        (user_fmt_named, "CHECK_NAMED", ValueError, ["{value}", "{}"]),
+    ],
+    ids=["float_predicate", "array_predicate", "fmt_mismatch", "fmt_named_field"],
+)
+def test_bad_check(user, marker, error, fragments):
+    expect(error, lambda: checked(user)(X), "check(", at(marker), *fragments)
+    # The mistake is reported at trace time, under jit too.
+    expect(error, lambda: jax.jit(checked(user))(X), at(marker))
+
+
+def user_positive(x):
+    check(jnp.all(x > 0), "not positive")
+    return x
+
+
+def test_error_get_inside_jit():
+    def user(x):
+        _, error = checked(user_positive)(x)
+        return error.get()
+
+    expect(TypeError, lambda: jax.jit(user)(X), "Error.get()", "traced", "outside jit")
