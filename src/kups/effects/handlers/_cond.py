@@ -85,7 +85,7 @@ def _forwarded_ctx(traced: list[TracedBody], num_ctx: int, num_ctx_in: int) -> l
     per_branch = [_forwarded_inputs(body.jaxpr)[:num_ctx] for body in traced]
     for i in range(num_ctx):
         sources = {
-            None if fwd[i] is None else fwd[i] - body.num_consts
+            None if (source := fwd[i]) is None else source - body.num_consts
             for fwd, body in zip(per_branch, traced, strict=True)
         }
         source = sources.pop() if len(sources) == 1 else None
