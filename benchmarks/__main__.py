@@ -1,8 +1,8 @@
 """`python -m benchmarks [--quick] [--only NAME ...] [--output PATH]`.
 
 Runs every benchmark section, each in its own fresh Python process, and writes
-the figures to `benchmarks/RESULTS.md` (a `--quick` run, a smoke test for CI,
-prints them and writes a file only when `--output` is given).
+the figures to `benchmarks/RESULTS.md`. A `--quick` run (a smoke test for CI)
+or an `--only` run prints them, and writes a file only when `--output` is given.
 """
 
 from __future__ import annotations
@@ -147,7 +147,8 @@ def main() -> int:
     parser.add_argument("--output", type=Path, help="where to write the markdown report")
     args = parser.parse_args()
     command = "python -m benchmarks" + " ".join(["", *sys.argv[1:]])
-    output = args.output or (None if args.quick else RESULTS)
+    # Only a full run of every section replaces RESULTS.md.
+    output = args.output or (None if args.quick or args.only else RESULTS)
     start = time.perf_counter()
     sections = []
     for name in args.only or SECTIONS:

@@ -2,8 +2,8 @@
 
 The machines these run on are noisy (two shared cores). Every figure is
 therefore a ratio between variants timed in the same process, in the same
-repeat, one right after the other (in alternating order, so that neither always
-runs first), and the reported ratio is the median over repeats of the per-repeat
+repeat, one right after the other (in an order that changes between repeats, so
+that none always runs first or last), and the reported ratio is the median over repeats of the per-repeat
 ratios. The garbage collector runs between measurements, not inside them.
 """
 
@@ -45,6 +45,13 @@ def _time_once(fn: Callable[[], object], clock: Callable[[], float]) -> tuple[fl
         gc.enable()
 
 
+def _order(names: list[str], r: int) -> list[str]:
+    """Repeat `r`'s order: the names rotated by `r`, reversed every other cycle."""
+    k = r % len(names)
+    order = names[k:] + names[:k]
+    return order[::-1] if (r // len(names)) % 2 else order
+
+
 def paired(
     variants: Mapping[str, Callable[[], object]],
     repeats: int,
@@ -54,8 +61,8 @@ def paired(
 ) -> Timings:
     """Times each variant `repeats` times, interleaved, after `warmup` untimed runs.
 
-    Repeat `r` runs the variants in order for even `r` and in reverse order for
-    odd `r`.
+    The order changes from repeat to repeat (`_order`), so that each variant runs
+    in each position equally often.
     """
     names = list(variants)
     for _ in range(warmup):
@@ -64,7 +71,7 @@ def paired(
     seconds: dict[str, list[float]] = {name: [] for name in names}
     wall: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
-        for name in names if r % 2 == 0 else reversed(names):
+        for name in _order(names, r):
             cpu_seconds, wall_seconds = _time_once(variants[name], clock)
             seconds[name].append(cpu_seconds)
             wall[name].append(wall_seconds)

@@ -56,6 +56,25 @@ def op_histogram(hlo_text: str) -> collections.Counter[str]:
     return counts
 
 
+def normalized_hlo(hlo_text: str) -> str:
+    """The HLO module text without what names it: the module and parameter names,
+    instruction and computation names (renumbered in order of appearance), source
+    metadata and the stack-frame tables. Equal texts are the same program."""
+    lines, skipping = [], False
+    for line in hlo_text.splitlines():
+        if line.startswith(("FileNames", "FunctionNames", "FileLocations", "StackFrames")):
+            skipping = True
+        if skipping:
+            skipping = bool(line.strip())
+            continue
+        if line.startswith("HloModule"):
+            line = "HloModule" + (line[line.index(",") :] if "," in line else "")
+        lines.append(re.sub(r",? metadata=\{[^}]*\}", "", line))
+    text = re.sub(r"([(,] ?)[\w.\-]+: ", r"\1p: ", "\n".join(lines))
+    names: dict[str, str] = {}
+    return re.sub(r"%[\w.\-]+", lambda m: names.setdefault(m.group(0), f"%{len(names)}"), text)
+
+
 def init_params(key: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
     params = []
     for n_in, n_out in itertools.pairwise(LAYERS):
@@ -121,7 +140,7 @@ def _compare(
     y: Any,
     calls: int,
     repeats: int,
-) -> tuple[list[Any], float, bool]:
+) -> tuple[list[Any], float, bool, bool, float]:
     identity = Interpreter(default_dispatcher())
     plain = jax.jit(step, donate_argnums=0)
     interpreted = jax.jit(reinterpret(step, identity), donate_argnums=1)
@@ -130,6 +149,9 @@ def _compare(
     kups_compiled = interpreted.lower((), params, x, y).compile()
     plain_ops = op_histogram(plain_compiled.as_text())
     kups_ops = op_histogram(kups_compiled.as_text())
+    same_program = normalized_hlo(plain_compiled.as_text()) == normalized_hlo(
+        kups_compiled.as_text()
+    )
     same_ops = plain_ops == kups_ops
     plain_mem = plain_compiled.memory_analysis()
     kups_mem = kups_compiled.memory_analysis()
@@ -187,14 +209,42 @@ def _compare(
         sum(kups_ops.values()),
         same_ops,
         same_bytes,
+        same_program,
         f"{histogram}{diff}",
     ]
-    return row, ratio, same_ops and same_bytes
+    return (
+        row,
+        ratio,
+        same_ops and same_bytes,
+        same_program,
+        timings.ratio("jit(f) again", "jit(f)"),
+    )
+
+
+def _runtime_notes(unresolved: list[tuple[str, float, float, bool]]) -> list[str]:
+    notes = []
+    for name, ratio, control, same_program in unresolved:
+        if same_program:
+            notes.append(
+                f"**{name}: runtime ratio {ratio:.3f} is outside 1.00 +/- "
+                f"{RATIO_TOLERANCE}**, with the same compiled program on both sides (A/A "
+                f"control in the same run: {control:.3f}). On this machine (two shared "
+                "cores, other jobs running) the per-repeat CPU time of one program varies "
+                "by tens of percent, and the median of the paired ratios still moves by "
+                "several percent between runs, as the A/A control shows: the target is "
+                "below what this machine can resolve, not a cost kups adds."
+            )
+        else:
+            notes.append(
+                f"**{name}: runtime ratio {ratio:.3f} is outside 1.00 +/- "
+                f"{RATIO_TOLERANCE}, and the compiled programs differ**: see the histogram."
+            )
+    return notes
 
 
 def run(quick: bool = False) -> Section:
     start = time.perf_counter()
-    calls, repeats = (3, 3) if quick else (20, 31)
+    calls, repeats = (3, 3) if quick else (10, 101)
     key = jax.random.key(0)
     params = init_params(key)
     x = jax.random.normal(jax.random.key(1), (BATCH, LAYERS[0]))
@@ -214,15 +264,22 @@ def run(quick: bool = False) -> Section:
     if quick:  # the smoke run skips the slowest program to compile
         programs = [p for p in programs if "scan" not in p[0]]
     rows, targets = [], []
+    unresolved: list[tuple[str, float, float, bool]] = []
     for name, step, xs, ys in programs:
-        row, ratio, same = _compare(name, step, params, xs, ys, calls, repeats)
+        row, ratio, same, same_program, control = _compare(
+            name, step, params, xs, ys, calls, repeats
+        )
+        within = abs(ratio - 1) <= RATIO_TOLERANCE
+        if not within:
+            unresolved.append((name, ratio, control, same_program))
         rows.append(row)
         targets.append(
             Target(
                 f"{name}: runtime kups / jit(f)",
                 ratio,
                 f"1.00 +/- {RATIO_TOLERANCE}",
-                abs(ratio - 1) <= RATIO_TOLERANCE,
+                within,
+                f"A/A control: {control:.3f}",
             )
         )
         targets.append(
@@ -231,6 +288,7 @@ def run(quick: bool = False) -> Section:
                 float(same),
                 "identical",
                 same,
+                "normalized HLO text identical too" if same_program else "",
             )
         )
     table = Table(
@@ -246,6 +304,7 @@ def run(quick: bool = False) -> Section:
             "HLO ops, kups",
             "same histogram",
             "same bytes",
+            "same HLO text",
             "histogram",
         ],
         rows,
@@ -256,6 +315,14 @@ def run(quick: bool = False) -> Section:
         method=__doc__ or "",
         tables=[table],
         targets=targets,
+        notes=[
+            "`same HLO text`: the optimized HLO modules are equal once names, source "
+            "metadata and stack-frame tables are removed (`normalized_hlo`): XLA "
+            "compiled the same program, so the runtimes can only differ by noise. "
+            "`A/A` times a second, separately jitted copy of `f` against the first: "
+            "how far noise alone moves a ratio in this run.",
+            *_runtime_notes(unresolved),
+        ],
         seconds=time.perf_counter() - start,
     )
 

@@ -160,7 +160,7 @@ def run(quick: bool = False) -> Section:
     from kups.instrument import count_primitives
 
     start = time.perf_counter()
-    calls, repeats = (3, 3) if quick else (20, 31)
+    calls, repeats = (3, 3) if quick else (10, 101)
     key_w, key_x = jax.random.split(jax.random.key(0))
     ws = jax.random.normal(key_w, (DEPTH, WIDTH, WIDTH)) / WIDTH**0.5
     x = jax.random.normal(key_x, (BATCH, WIDTH))
