@@ -82,7 +82,8 @@ def failure(program: progen.Program, check: Callable[[progen.Program], None]) ->
         return _report(program, str(err), err.call, err.threaded)
     except Exception as err:  # noqa: BLE001 - any crash is a finding: report it with its repro
         detail = "".join(traceback.format_exception_only(err)).strip()
-        return _report(program, f"crashed: {detail}", _CRASH_CALL, False)
+        call = _CRASH_CALL_EFFECTS if program.effects else _CRASH_CALL
+        return _report(program, f"crashed: {detail}", call, False)
     return None
 
 
@@ -123,6 +124,14 @@ print(count_primitives(program)(*args))
 """
 
 
+_CRASH_CALL_EFFECTS = """
+print(reap(program, tag=TAG)(*args))
+_, reaped = reap(program, tag=TAG)(*args)
+print(plant(program, tag=TAG)(reaped, *args))
+print(checked(program)(*args)[1].get())
+"""
+
+
 def _report(program: progen.Program, what: str, call: str, threaded: bool) -> str:
     bar = "=" * 78
     return (
@@ -140,14 +149,24 @@ def tree_equal(a: Any, b: Any) -> bool:
 
 
 def _same(x: Any, y: Any) -> bool:
-    if not (eqx_is_array(x) and eqx_is_array(y)):
+    if not (is_array(x) and is_array(y)):
         return x == y
-    x, y = np.asarray(x), np.asarray(y)
+    x, y = host(x), host(y)
     return x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y, equal_nan=True)
 
 
-def eqx_is_array(x: Any) -> bool:
+def is_array(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray | np.generic)
+
+
+def host(x: Any) -> np.ndarray:
+    """`x` as a NumPy array. JAX 0.10.0-0.10.2 cannot bring an empty array that a
+    shard_map left sharded over several devices to the host (`np.asarray` fails
+    with "could not broadcast input array from shape (8,0,2) into shape
+    (1,0,2)"); an empty array has no values to compare anyway."""
+    if getattr(x, "size", 1) == 0:
+        return np.zeros(x.shape, x.dtype)
+    return np.asarray(x)
 
 
 def close(a: Any, b: Any) -> bool:
@@ -158,7 +177,7 @@ def close(a: Any, b: Any) -> bool:
     if tree_a != tree_b:
         return False
     for x, y in zip(leaves_a, leaves_b):
-        x, y = np.asarray(x), np.asarray(y)
+        x, y = host(x), host(y)
         if x.shape != y.shape or not np.allclose(x, y, rtol=1e-5, atol=1e-5):
             return False
     return True
@@ -271,7 +290,7 @@ def check_effects(program: progen.Program) -> None:
         raise Mismatch(
             "reap changed the program's outputs", "print(reap(program, tag=TAG)(*args)[0])"
         )
-    want = jax.tree.map(np.asarray, state["sow"])
+    want = jax.tree.map(host, state["sow"])
     if sorted(reaped) != sorted(want) or not close(dict(reaped), want):
         shapes = {k: np.shape(v) for k, v in want.items()}
         got_shapes = {k: np.shape(v) for k, v in reaped.items()}
@@ -306,7 +325,7 @@ def check_effects(program: progen.Program) -> None:
     out, error = checked(fn)(*args)
     if not tree_equal(out, expected):
         raise Mismatch("checked changed the program's outputs", "print(checked(program)(*args)[0])")
-    want_message = program.expected_message(jax.tree.map(np.asarray, state["err"]))
+    want_message = program.expected_message(jax.tree.map(host, state["err"]))
     if error.get() != want_message:
         raise Mismatch(
             f"checked reports {error.get()!r}; the hand-threaded first failure is {want_message!r}",
