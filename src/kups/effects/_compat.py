@@ -242,5 +242,14 @@ def new_var(aval: Any) -> Var:
 
 
 def replace_jaxpr(jaxpr: Jaxpr, **kwargs: Any) -> Jaxpr:
-    """`jaxpr` with some of `invars`, `outvars`, `constvars` replaced."""
-    return jaxpr.replace(**kwargs)
+    """`jaxpr` with some of `invars`, `outvars`, `constvars` replaced.
+
+    `Jaxpr.replace` forgets the argument names when the binders change
+    (`arg_names=None`). JAX 0.10.0's while-loop JVP rule appends to those names and
+    fails on `None`, so give every binder an empty name instead.
+    """
+    new = jaxpr.replace(**kwargs)
+    info = new.debug_info
+    if info is not None and info.arg_names is None:
+        new = new.replace(debug_info=info._replace(arg_names=("",) * len(new.invars)))
+    return new
