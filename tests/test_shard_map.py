@@ -16,6 +16,7 @@ from kups.effects import (
     HandlerResult,
     Interpreter,
     Uninitialized,
+    _compat,
     default_dispatcher,
     default_shard_map_handler,
     reinterpret,
@@ -138,7 +139,7 @@ def test_default_ctx_specs_are_replicated(mesh42):
     (eqn,) = shard_map_eqns(closed)
     assert eqn.params["in_specs"] == (P(), P(), P("x", "y"))
     assert eqn.params["out_specs"] == (P(), P(), P("x", "y"))
-    assert eqn.params["newly_manual_axes"] == frozenset({"x", "y"})
+    assert _compat.shard_map_manual_axes(eqn.params) == frozenset({"x", "y"})
     assert eqn.params["check_vma"] is True
     assert eqn.params["mesh"] == mesh42
 
