@@ -9,7 +9,9 @@ iteration counter (advanced by the loop handlers' `updater`); the record's
 iteration vector is padded to the deepest loop nesting inside a loop or `cond`
 before it is entered, so that loop carries and branches keep one shape. A
 `shard_map` body starts with an empty record and hands out the record of the
-first shard, in mesh order, that failed.
+first shard, in mesh order, that failed. The context carries each shard's index
+in the mesh as a value sharded into the body, so that no `axis_index` is needed
+(JAX before 0.10.2 cannot lower one inside a nested `shard_map`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
+from jax.sharding import PartitionSpec as P
 
 from kups.effects import (
     Dispatcher,
@@ -56,7 +59,8 @@ class _Site:
     """An equation that can produce a NaN, as registered while tracing.
 
     `loop_depth` is the number of loops around it, `manual_axes` the manual mesh
-    axes around it, `((name, size), ...)` in mesh order.
+    axes around it and `mesh_axes` all axes of their mesh, both `((name, size), ...)`
+    in mesh order.
     """
 
     primitive: str
@@ -64,13 +68,16 @@ class _Site:
     line: int | None
     loop_depth: int
     manual_axes: tuple[tuple[Any, int], ...]
+    mesh_axes: tuple[tuple[Any, int], ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Scope:
-    """The manual mesh axes around the current equation (a static context leaf)."""
+    """The manual mesh axes around the current equation and all axes of their mesh
+    (a static context leaf)."""
 
     manual_axes: tuple[tuple[Any, int], ...] = ()
+    mesh_axes: tuple[tuple[Any, int], ...] = ()
 
 
 class _State(NamedTuple):
@@ -78,8 +85,11 @@ class _State(NamedTuple):
 
     - `site`: the index of the first equation that produced a NaN/Inf, or -1.
     - `nan`: whether that equation produced a NaN (otherwise an Inf).
-    - `shard`: the linear index, over the manual axes around that equation in
-      mesh order, of the first shard (in mesh order) where it happened, or -1.
+    - `shard`: the row-major index in the whole mesh of the first shard (in mesh
+      order) where it happened (coordinate 0 along axes that were not manual
+      there), or -1.
+    - `here`: the current shard's index in the same form: 0 outside `shard_map`;
+      inside, a block of shape `(1, ...)`, one dimension per manual axis.
     - `iterations`: the iteration of each loop around that equation, outermost
       first, padded with -1 to the deepest loop nesting seen so far.
     - `counters`: the current iteration of each loop around the current equation.
@@ -90,6 +100,7 @@ class _State(NamedTuple):
     nan: Any
     shard: Any
     iterations: Any
+    here: Any
     counters: tuple[Any, ...]
     scope: _Scope
 
@@ -100,6 +111,7 @@ def _initial_state() -> _State:
         nan=jnp.bool_(False),
         shard=jnp.int32(-1),
         iterations=jnp.zeros((0,), jnp.int32),
+        here=jnp.int32(0),
         counters=(),
         scope=_Scope(),
     )
@@ -175,7 +187,14 @@ class _Sites:
         location = source_location(eqn) or (self.enclosing[-1] if self.enclosing else None)
         file, line = location if location is not None else (None, None)
         self.sites.append(
-            _Site(eqn.primitive.name, file, line, len(state.counters), state.scope.manual_axes)
+            _Site(
+                eqn.primitive.name,
+                file,
+                line,
+                len(state.counters),
+                state.scope.manual_axes,
+                state.scope.mesh_axes,
+            )
         )
         return len(self.sites) - 1
 
@@ -199,6 +218,7 @@ def _check_equation(
     state = state._replace(
         site=jnp.where(first, jnp.int32(site), state.site),
         nan=jnp.where(first, nan, state.nan),
+        shard=jnp.where(first, state.here.reshape(()), state.shard),
         iterations=jnp.where(first, _position(state), state.iterations),
     )
     return HandlerResult(state, outvals)
@@ -244,14 +264,6 @@ def _check_cond(interpreter: Any, state: _State, eqn: JaxprEqn, invals: list[Any
     return default_cond_handler(interpreter, state, eqn, invals)
 
 
-def _linear_index(axes: tuple[tuple[Any, int], ...]) -> Any:
-    """This shard's index over `axes` (`(name, size)` pairs), row-major."""
-    index = jnp.int32(0)
-    for name, size in axes:
-        index = index * size + jax.lax.axis_index(name)
-    return index
-
-
 def _all_axes(reduce: Callable[[Any, Any], Any], value: Any, axes: tuple[Any, ...]) -> Any:
     # One axis at a time: a collective over an axis tuple along some of which the
     # value is varying and along others invariant is an error in JAX 0.10.
@@ -260,33 +272,50 @@ def _all_axes(reduce: Callable[[Any, Any], Any], value: Any, axes: tuple[Any, ..
     return value
 
 
+def _shard_indices(
+    offset: Any, mesh_axes: tuple[tuple[Any, int], ...], manual: tuple[Any, ...]
+) -> Any:
+    """Every shard's index in the mesh, `offset` plus the part of the `manual` axes,
+    as an array with one dimension per manual axis (mesh order) to shard over them."""
+    strides, stride = {}, 1
+    for name, size in reversed(mesh_axes):
+        strides[name] = stride
+        stride *= size
+    sizes = dict(mesh_axes)
+    index = jnp.asarray(offset, jnp.int32).reshape(())
+    for position, name in enumerate(manual):
+        shape = [1] * len(manual)
+        shape[position] = sizes[name]
+        part = jnp.arange(sizes[name], dtype=jnp.int32) * strides[name]
+        index = index + part.reshape(shape)
+    return index
+
+
 @functools.lru_cache(maxsize=64)
-def _first_shard(
-    scope: tuple[tuple[Any, int], ...], manual_axes: tuple[tuple[Any, int], ...]
-) -> Callable[[_State], _State]:
+def _first_shard(manual: tuple[Any, ...]) -> Callable[[_State], _State]:
     """`reduce_ctx` that keeps the record of the first shard (in mesh order) that
     found a NaN; the result is the same on every shard (cached so that the
     framework's body cache recognises it)."""
-    names = tuple(name for name, _ in manual_axes)
 
     def reduce_ctx(state: _State) -> _State:
         found = state.site >= 0
-        shard = jnp.where(found & (state.shard < 0), _linear_index(scope), state.shard)
-        key = jnp.where(found, shard, _NO_SHARD)
-        first_key = _all_axes(jax.lax.pmin, key, names)
+        key = jnp.where(found, state.shard, _NO_SHARD)
+        first_key = _all_axes(jax.lax.pmin, key, manual)
         # Exactly one shard among those with the first key.
-        own = _linear_index(manual_axes)
-        chosen = own == _all_axes(jax.lax.pmin, jnp.where(key == first_key, own, _NO_SHARD), names)
+        own = state.here.reshape(())
+        chosen = own == _all_axes(jax.lax.pmin, jnp.where(key == first_key, own, _NO_SHARD), manual)
 
         def pick(value: Any) -> Any:
-            return _all_axes(jax.lax.psum, jnp.where(chosen, value, jnp.zeros_like(value)), names)
+            return _all_axes(jax.lax.psum, jnp.where(chosen, value, jnp.zeros_like(value)), manual)
 
         any_found = first_key < _NO_SHARD
         return state._replace(
             site=jnp.where(any_found, pick(state.site), -1),
             nan=pick(state.nan.astype(jnp.int32)) > 0,
-            shard=jnp.where(any_found, pick(shard), -1),
+            shard=jnp.where(any_found, pick(state.shard), -1),
             iterations=jnp.where(any_found, pick(state.iterations), -1),
+            # Replicated, to leave the body; the caller keeps its own.
+            here=jnp.zeros(state.here.shape, jnp.int32),
         )
 
     return reduce_ctx
@@ -297,17 +326,30 @@ def _check_shard_map(
 ) -> HandlerResult:
     """The body starts with no record; the first shard's record comes out and
     replaces the outer one if that is empty."""
-    mesh, manual = shard_map_axes(eqn)
+    mesh, manual_set = shard_map_axes(eqn)
     sizes = dict(mesh.shape)
+    mesh_axes = tuple((name, sizes[name]) for name in mesh.axis_names)
+    manual = tuple(name for name in mesh.axis_names if name in manual_set)
     names = {name for name, _ in state.scope.manual_axes} | set(manual)
-    scope = tuple((name, sizes[name]) for name in mesh.axis_names if name in names)
+    scope = tuple((name, size) for name, size in mesh_axes if name in names)
     inner = _initial_state()._replace(
         iterations=jnp.full(state.iterations.shape, -1, jnp.int32),
+        here=_shard_indices(state.here, mesh_axes, manual),
         counters=state.counters,
-        scope=_Scope(scope),
+        scope=_Scope(scope, mesh_axes),
     )
-    reduce_ctx = _first_shard(scope, tuple((name, sizes[name]) for name in manual))
-    result = default_shard_map_handler(interpreter, inner, eqn, invals, reduce_ctx=reduce_ctx)
+
+    def ctx_in_specs(tree: _State) -> _State:
+        return jax.tree.map(lambda _: P(), tree)._replace(here=P(*manual))
+
+    result = default_shard_map_handler(
+        interpreter,
+        inner,
+        eqn,
+        invals,
+        declare_ctx_in_specs=ctx_in_specs,
+        reduce_ctx=_first_shard(manual),
+    )
     merged = _select(state.site < 0, result.ctx, state)
     return HandlerResult(merged, result.outvals)
 
@@ -477,7 +519,7 @@ class NanReport:
             return None
         index = int(self._shard)
         coordinates: dict[Any, int] = {}
-        for name, size in reversed(site.manual_axes):
+        for name, size in reversed(site.mesh_axes):
             index, coordinates[name] = divmod(index, size)
         return {name: coordinates[name] for name, _ in site.manual_axes}
 
