@@ -256,6 +256,13 @@ def check_identity(program: progen.Program) -> None:
             grads = jax.grad(_loss(fn), argnums=(0, 1))(*args)
         except NotImplementedError:  # e.g. pmax has no derivative in JAX
             return
+        except Exception as err:
+            # Under JAX_CHECK_TRACER_LEAKS, JAX 0.10.2 itself leaks a tracer when it
+            # differentiates jit(shard_map(...)): the oracle cannot run, and a leak
+            # of kups's own would be indistinguishable from it.
+            if jax.config.jax_check_tracer_leaks and "Leaked trace" in str(err):
+                return
+            raise
         interpreted_grads = jax.grad(_loss(lambda *a: interpreted(0, *a)[0]), argnums=(0, 1))(*args)
         if not tree_equal(interpreted_grads, grads):
             raise Mismatch(
