@@ -152,7 +152,7 @@ def cond_params(params: dict[str, Any], *, branches: tuple[ClosedJaxpr, ...]) ->
 
 
 def shard_map_manual_axes(params: dict[str, Any]) -> frozenset[Any]:
-    """The axes a shard_map equation makes manual: `newly_manual_axes` in JAX 0.10,
+    """The axes a shard_map equation makes manual: `newly_manual_axes` from JAX 0.10.2,
     `manual_axes` before."""
     if "newly_manual_axes" in params:
         return frozenset(params["newly_manual_axes"])
