@@ -160,6 +160,76 @@ def test_static_arguments():
     assert report.found and report.primitive == "log"
 
 
+# ------------------------------------------------------------ constants
+
+
+@pytest.mark.parametrize(
+    "reduction", [jnp.var, jnp.std, jnp.median, jnp.nanvar, lambda x: jnp.cov(x, x)]
+)
+def test_nan_constants_inside_jnp_functions_are_not_reported(reduction):
+    # jnp.var builds a NaN constant (its result for an empty reduction) and
+    # selects it away: a constant of the program, not a NaN the data produced.
+    assert report_of(reduction, jnp.arange(6.0)).found is False
+
+
+def test_layer_norm_in_a_scan_in_a_shard_map_is_quiet(mesh8):
+    def layer_norm(h):
+        return (h - h.mean(-1, keepdims=True)) / jnp.sqrt(h.var(-1, keepdims=True) + 1e-5)
+
+    def body(h, w):
+        return layer_norm(h @ w), jnp.std(h)
+
+    def f(h, ws):
+        return jax.shard_map(
+            lambda h, ws: lax.scan(body, h, ws),
+            mesh=mesh8,
+            in_specs=(P("i"), P()),
+            out_specs=(P("i"), P("i")),
+        )(h, ws)
+
+    h = jnp.arange(32.0).reshape(8, 4) / 10
+    ws = jnp.stack([jnp.eye(4)] * 3)
+    assert report_of(f, h, ws).found is False
+
+
+def test_nan_constant_combined_with_data_is_reported_where_they_meet():
+    def f(x):
+        return jnp.where(x > 0, x * 2.0, jnp.nan)  # where-with-nan
+
+    report = report_of(f, jnp.array([1.0, -1.0]))
+    expect(report, "select_n", "where-with-nan")
+    assert report_of(f, jnp.array([1.0, 4.0])).found is False
+
+
+@pytest.mark.parametrize("constant_first", [True, False])
+def test_one_jitted_function_called_on_a_constant_and_on_data(constant_first):
+    # Both calls share one jaxpr; only the call on data reports, whichever comes
+    # first (the body is traced once per kind of call).
+    shared = jax.jit(lambda v: jnp.sqrt(v))  # sqrt-in-shared
+
+    def f(x):
+        if constant_first:
+            return shared(-1.0), shared(x)
+        return shared(x), shared(-1.0)
+
+    expect(report_of(f, jnp.float32(-4.0)), "sqrt", "sqrt-in-shared")
+    assert report_of(f, jnp.float32(4.0)).found is False
+
+
+def test_nan_computed_from_constants_alone_is_not_reported():
+    def f(x):
+        bad = jnp.log(jnp.float32(-1.0))
+        return x + 1.0, bad * 2.0
+
+    assert report_of(f, jnp.float32(1.0)).found is False
+
+    def g(x):
+        bad = jnp.log(jnp.float32(-1.0))
+        return x * bad  # constant-meets-data
+
+    expect(report_of(g, jnp.float32(1.0)), "mul", "constant-meets-data")
+
+
 # ------------------------------------------------------------ control flow
 
 

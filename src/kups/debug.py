@@ -1,7 +1,8 @@
 """`find_nans`: the first equation of a program that produced a NaN or an Inf.
 
 A fallback handler re-binds every equation that is not control flow and checks
-its floating outputs with `isfinite`. Each checked equation is a *site*,
+its floating outputs with `isfinite`, unless all its inputs are constants of
+the program (tracked per jaxpr, and per call site into `jit` bodies). Each checked equation is a *site*,
 registered on the Python side while tracing (primitive, source line, loops and
 manual mesh axes around it); the context records the index of the first site
 that failed, the loop iterations at that moment and the shard. Loops push an
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, jaxprs_in_params
 from jax.sharding import PartitionSpec as P
 
 from kups.effects import (
@@ -73,11 +74,22 @@ class _Site:
 
 @dataclasses.dataclass(frozen=True)
 class _Scope:
-    """The manual mesh axes around the current equation and all axes of their mesh
-    (a static context leaf)."""
+    """Static facts about where the current equation is (a static context leaf):
+    the manual mesh axes around it, all axes of their mesh, and the innermost call
+    (`jit`, `checkpoint`, ...) being interpreted, with which of its inputs are
+    constants there."""
 
     manual_axes: tuple[tuple[Any, int], ...] = ()
     mesh_axes: tuple[tuple[Any, int], ...] = ()
+    frame: _Frame | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frame:
+    """A call's body and which of its inputs are constants at the call site."""
+
+    jaxpr: Jaxpr
+    constant_inputs: tuple[bool, ...]
 
 
 class _State(NamedTuple):
@@ -93,7 +105,7 @@ class _State(NamedTuple):
     - `iterations`: the iteration of each loop around that equation, outermost
       first, padded with -1 to the deepest loop nesting seen so far.
     - `counters`: the current iteration of each loop around the current equation.
-    - `scope`: the manual mesh axes around the current equation (static).
+    - `scope`: static facts about where the current equation is (`_Scope`).
     """
 
     site: Any
@@ -206,10 +218,11 @@ def _is_float(value: Any) -> bool:
 def _check_equation(
     sites: _Sites, interpreter: Any, state: _State, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:
-    """The fallback handler: re-binds the equation and checks its float outputs."""
+    """The fallback handler: re-binds the equation and checks its float outputs,
+    unless they are constants of the program (see `_constant_equations`)."""
     outvals = default_primitive_handler(interpreter, state, eqn, invals).outvals
     floats = [value for value in outvals if _is_float(value)]
-    if not floats:
+    if not floats or _is_constant(state.scope.frame, eqn):
         return HandlerResult(state, outvals)
     site = sites.add(eqn, state)
     bad = functools.reduce(jnp.logical_or, [~jnp.isfinite(value).all() for value in floats])
@@ -222,6 +235,110 @@ def _check_equation(
         iterations=jnp.where(first, _position(state), state.iterations),
     )
     return HandlerResult(state, outvals)
+
+
+# ---------------------------------------------------------------------------
+# Constants: a NaN computed from constants alone is part of the program (jnp.var
+# keeps one for an empty reduction and selects it away), not a finding.
+# ---------------------------------------------------------------------------
+
+_CONSTANTS: weakref.WeakKeyDictionary[
+    Jaxpr, dict[tuple[bool, ...], tuple[frozenset[int], frozenset[Any]]]
+]
+_CONSTANTS = weakref.WeakKeyDictionary()
+
+
+def _constant_equations(
+    jaxpr: Jaxpr, constant_inputs: tuple[bool, ...]
+) -> tuple[frozenset[int], frozenset[Any]]:
+    """The equations of `jaxpr` (by `id`) whose inputs are all constants, and the
+    variables that hold constants, given which inputs are constants.
+
+    Constants are literals, the jaxpr's own constants, the given inputs, and the
+    outputs of equations with only constant inputs and no sub-program.
+    """
+    by_inputs = _CONSTANTS.setdefault(jaxpr, {})
+    if constant_inputs in by_inputs:
+        return by_inputs[constant_inputs]
+    constant = set(jaxpr.constvars)
+    constant.update(v for v, c in zip(jaxpr.invars, constant_inputs, strict=True) if c)
+    equations = set()
+    for eqn in jaxpr.eqns:
+        if contains_subjaxprs(None, eqn, []):
+            continue
+        if all(_is_literal(v) or v in constant for v in eqn.invars):
+            equations.add(id(eqn))
+            constant.update(eqn.outvars)
+    result = frozenset(equations), frozenset(constant)
+    by_inputs[constant_inputs] = result
+    return result
+
+
+def _is_literal(atom: Any) -> bool:
+    return isinstance(atom, Literal)
+
+
+def _is_constant(frame: _Frame | None, eqn: JaxprEqn) -> bool:
+    """Whether every input of `eqn` is a constant: a literal, or (inside a call
+    being interpreted) a constant of the call's body."""
+    if all(_is_literal(v) for v in eqn.invars):
+        return True
+    if frame is None:
+        return False
+    equations, _ = _constant_equations(frame.jaxpr, frame.constant_inputs)
+    return id(eqn) in equations
+
+
+def _call_body(eqn: JaxprEqn) -> Jaxpr | None:
+    """The body of a call-like equation: a sub-jaxpr that takes the equation's
+    inputs one to one."""
+    for jaxpr in jaxprs_in_params(eqn.params):
+        if len(jaxpr.invars) == len(eqn.invars):
+            return jaxpr
+    return None
+
+
+# Primitives whose body takes the equation's inputs one to one.
+_CALLS = frozenset(
+    {"jit", "pjit", "closed_call", "core_call", "checkpoint", "custom_jvp_call", "custom_vjp_call"}
+)
+
+
+def _in_frame(handler: Handler) -> Handler:
+    """`handler` for a call (`jit`, `checkpoint`, ...): the call's body and which of
+    its inputs are constants become the frame that `_FramingInterpreter` picks up
+    when the handler interprets the body."""
+
+    def framed(interpreter: Any, state: _State, eqn: JaxprEqn, invals: list[Any]) -> Any:
+        body = _call_body(eqn)
+        outer = state.scope
+        if body is None or outer.frame is None:
+            return handler(interpreter, state, eqn, invals)
+        _, constant_vars = _constant_equations(outer.frame.jaxpr, outer.frame.constant_inputs)
+        constant_inputs = tuple(_is_literal(v) or v in constant_vars for v in eqn.invars)
+        inner = dataclasses.replace(outer, frame=_Frame(body, constant_inputs))
+        result = handler(interpreter, state._replace(scope=inner), eqn, invals)
+        return HandlerResult(result.ctx._replace(scope=outer), result.outvals)
+
+    return framed
+
+
+class _FramingInterpreter(Interpreter):
+    """An interpreter that makes every jaxpr it runs the current frame: the frame a
+    call handler prepared for it (see `_in_frame`), or one whose inputs are not
+    constants (a loop or branch body, the program itself)."""
+
+    def __call__(self, closed_jaxpr: Any, ctx: Any, *args: Any) -> tuple[list[Any], Any]:
+        if not isinstance(ctx, _State):
+            return super().__call__(closed_jaxpr, ctx, *args)
+        jaxpr = closed_jaxpr.jaxpr if isinstance(closed_jaxpr, ClosedJaxpr) else closed_jaxpr
+        outer = ctx.scope
+        frame = outer.frame
+        if frame is None or frame.jaxpr is not jaxpr:
+            frame = _Frame(jaxpr, (False,) * len(jaxpr.invars))
+        inner = dataclasses.replace(outer, frame=frame)
+        outs, ctx = super().__call__(closed_jaxpr, ctx._replace(scope=inner), *args)
+        return outs, ctx._replace(scope=outer)
 
 
 def _position(state: _State) -> Any:
@@ -336,7 +453,7 @@ def _check_shard_map(
         iterations=jnp.full(state.iterations.shape, -1, jnp.int32),
         here=_shard_indices(state.here, mesh_axes, manual),
         counters=state.counters,
-        scope=_Scope(scope, mesh_axes),
+        scope=_Scope(scope, mesh_axes, state.scope.frame),
     )
 
     def ctx_in_specs(tree: _State) -> _State:
@@ -385,6 +502,8 @@ def _dispatcher(sites: _Sites) -> Dispatcher:
         .register_fallback_handler(functools.partial(_check_equation, sites))
     )
     for name, handler in dispatcher.handlers.items():
+        if name in _CALLS:
+            handler = _in_frame(handler)
         dispatcher.register_handler(name, _located(sites, handler))
     return dispatcher
 
@@ -422,6 +541,11 @@ class NanReport:
     - `shard`: `{axis: coordinate}` over the manual mesh axes of the
       `shard_map`s around it: the first shard, in mesh order, that produced a
       NaN or Inf there; `None` outside `shard_map`.
+
+    Values computed from constants alone (literals, closed-over arrays, and what
+    is computed from them, such as the NaN `jnp.var` builds for an empty reduction
+    and selects away) are not checked: such a NaN belongs to the program, and the
+    first equation that combines it with data is reported instead.
 
     Under `jax.vmap` every property has a batch axis; read one element with
     `jax.tree.map(lambda leaf: leaf[i], report)`.
@@ -629,7 +753,7 @@ def find_nans(fn: Callable[..., Any]) -> Callable[..., tuple[Any, NanReport]]:
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, NanReport]:
         sites = _Sites()
-        interpreter = Interpreter(_dispatcher(sites), label="find_nans")
+        interpreter = _FramingInterpreter(_dispatcher(sites), label="find_nans")
         out, state = reinterpret(fn, interpreter)(_initial_state(), *args, **kwargs)
         report = NanReport(state.site, state.nan, state.shard, state.iterations, tuple(sites.sites))
         return out, report
