@@ -74,8 +74,7 @@ def test_one_section_with_other_sizes():
 @pytest.mark.xfail(
     strict=True,
     reason="find_nans reports shard 0's psum of the NaN, not shard 3's division that made "
-    "it (the first shard in mesh order wins over the first equation); and kups hides "
-    "the source lines of files inside its own package, so the demo's line is None",
+    "it (the first shard in mesh order wins over the first equation)",
 )
 def test_nan_on_another_shard_is_found_with_its_line():
     result = run_demo("--section", "nans", "--nan-shard", "3")

@@ -439,21 +439,11 @@ def _nans(setup: _Setup, report: _Report) -> None:
         "the NaN is a division, at that step and shard",
         f"expected {expected}, got {got}",
     )
-    if found.found and found.source is None:
-        # kups leaves the frames of its own package out of source lines, and this
-        # demo is part of the package: in a user's program the line shows.
-        report.text(
-            report.dim(
-                f"  source=None: kups hides the lines of its own package, and this demo is in it.\n"
-                f"  In your own code, source is your line; here it is {expected_source}."
-            )
-        )
-    else:
-        report.verify(
-            found.source == expected_source,
-            f"the NaN comes from the normalisation, {expected_source}",
-            f"got {found.source}",
-        )
+    report.verify(
+        found.source == expected_source,
+        f"the NaN comes from the normalisation, {expected_source}",
+        f"got {found.source}",
+    )
     _same_losses(report, "find_nans", losses, setup.plain_losses)
 
 

@@ -74,9 +74,18 @@ current_name_stack = _source_info_util.current_name_stack
 _KUPS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
+# The demo is a user program that ships inside the package: its lines are the
+# user's lines.
+_USER_FILES_IN_KUPS = frozenset({os.path.join(_KUPS_DIR, "_demo.py")})
+
+
+def _is_kups_frame(file_name: str) -> bool:
+    return file_name.startswith(_KUPS_DIR) and file_name not in _USER_FILES_IN_KUPS
+
+
 def _user_frame(eqn: JaxprEqn) -> Any:
     frames = _source_info_util.user_frames(eqn.source_info.traceback)
-    return next((f for f in frames if not f.file_name.startswith(_KUPS_DIR)), None)
+    return next((f for f in frames if not _is_kups_frame(f.file_name)), None)
 
 
 def source_line(eqn: JaxprEqn) -> str:
