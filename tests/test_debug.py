@@ -438,6 +438,35 @@ def test_shard_map_full_manual(mesh42):
     expect(report_of(f, x), "log", "log-in-shard-map", shard={"x": 2, "y": 1})
 
 
+@pytest.mark.parametrize("bad_shard", [0, 3, 7])
+def test_nan_spread_by_a_collective_is_reported_where_it_was_made(mesh8, bad_shard):
+    def body(a):
+        b = jnp.sqrt(a)  # sqrt-before-psum
+        total = jax.lax.psum(b.sum(), "i")  # psum-spreads-it
+        return b * total
+
+    def f(x):
+        return jax.shard_map(body, mesh=mesh8, in_specs=P("i"), out_specs=P("i"))(x)
+
+    # Every shard's psum is NaN; only the bad shard's sqrt made one, earlier.
+    x = jnp.ones(16).at[2 * bad_shard + 1].set(-1.0)
+    expect(report_of(f, x), "sqrt", "sqrt-before-psum", shard={"i": bad_shard})
+
+
+def test_earlier_equation_on_a_later_shard_wins(mesh8):
+    def body(a):
+        b = jnp.log(a)  # log-early
+        c = jnp.sqrt(b + 10.0)  # sqrt-late
+        return c
+
+    def f(x):
+        return jax.shard_map(body, mesh=mesh8, in_specs=P("i"), out_specs=P("i"))(x)
+
+    # Shard 1 fails at the sqrt (log(1e-9) + 10 < 0), shard 6 at the log.
+    x = jnp.ones(16).at[2].set(1e-9).at[13].set(-1.0)
+    expect(report_of(f, x), "log", "log-early", shard={"i": 6})
+
+
 def test_shard_map_partial_manual(mesh42):
     def f(x):
         return jax.shard_map(
@@ -484,8 +513,13 @@ def test_scan_in_shard_map(mesh42):
         return jax.shard_map(body, mesh=mesh42, in_specs=P("x", "y"), out_specs=P("x", "y"))(x)
 
     # Shard (1, 0) holds 2.5 (NaN at iteration 3); shard (3, 1) holds 0.5 (NaN at
-    # iteration 1). The first shard in mesh order is reported.
+    # iteration 1): the earlier one is reported, though later in mesh order.
     x = jnp.full((8, 4), 9.0).at[2, 0].set(2.5).at[7, 3].set(0.5)
+    expect(
+        report_of(f, x), "log", "log-in-scan-in-shard-map", iterations=[1], shard={"x": 3, "y": 1}
+    )
+    # Alone, shard (1, 0)'s is reported.
+    x = jnp.full((8, 4), 9.0).at[2, 0].set(2.5)
     expect(
         report_of(f, x), "log", "log-in-scan-in-shard-map", iterations=[3], shard={"x": 1, "y": 0}
     )

@@ -9,8 +9,9 @@ that failed, the loop iterations at that moment and the shard. Loops push an
 iteration counter (advanced by the loop handlers' `updater`); the record's
 iteration vector is padded to the deepest loop nesting inside a loop or `cond`
 before it is entered, so that loop carries and branches keep one shape. A
-`shard_map` body starts with an empty record and hands out the record of the
-first shard, in mesh order, that failed. The context carries each shard's index
+`shard_map` body starts with an empty record and hands out the record made
+first, by each shard's count of equations run (ties go to the first shard in
+mesh order). The context carries each shard's index
 in the mesh as a value sharded into the body, so that no `axis_index` is needed
 (JAX before 0.10.2 cannot lower one inside a nested `shard_map`).
 """
@@ -100,6 +101,9 @@ class _State(NamedTuple):
     - `shard`: the row-major index in the whole mesh of the first shard (in mesh
       order) where it happened (coordinate 0 along axes that were not manual
       there), or -1.
+    - `when`: the value of `tick` when that equation ran, or -1.
+    - `tick`: how many checked equations have run so far on this shard: the
+      clock that orders records from different shards.
     - `here`: the current shard's index in the same form: 0 outside `shard_map`;
       inside, a block of shape `(1, ...)`, one dimension per manual axis.
     - `iterations`: the iteration of each loop around that equation, outermost
@@ -112,6 +116,8 @@ class _State(NamedTuple):
     nan: Any
     shard: Any
     iterations: Any
+    when: Any
+    tick: Any
     here: Any
     counters: tuple[Any, ...]
     scope: _Scope
@@ -123,6 +129,8 @@ def _initial_state() -> _State:
         nan=jnp.bool_(False),
         shard=jnp.int32(-1),
         iterations=jnp.zeros((0,), jnp.int32),
+        when=jnp.int32(-1),
+        tick=jnp.int32(0),
         here=jnp.int32(0),
         counters=(),
         scope=_Scope(),
@@ -147,6 +155,7 @@ def _select(pred: Any, new: _State, old: _State) -> _State:
         nan=jnp.where(pred, new.nan, old.nan),
         shard=jnp.where(pred, new.shard, old.shard),
         iterations=jnp.where(pred, new.iterations, old.iterations),
+        when=jnp.where(pred, new.when, old.when),
     )
 
 
@@ -233,6 +242,9 @@ def _check_equation(
         nan=jnp.where(first, nan, state.nan),
         shard=jnp.where(first, state.here.reshape(()), state.shard),
         iterations=jnp.where(first, _position(state), state.iterations),
+        when=jnp.where(first, state.tick, state.when),
+        # Saturates rather than wrapping around after 2**31 - 2 equations.
+        tick=jnp.minimum(state.tick, _NO_SHARD - 2) + 1,
     )
     return HandlerResult(state, outvals)
 
@@ -410,16 +422,19 @@ def _shard_indices(
 
 @functools.lru_cache(maxsize=64)
 def _first_shard(manual: tuple[Any, ...]) -> Callable[[_State], _State]:
-    """`reduce_ctx` that keeps the record of the first shard (in mesh order) that
-    found a NaN; the result is the same on every shard (cached so that the
-    framework's body cache recognises it)."""
+    """`reduce_ctx` that keeps the record that was made first (by each shard's
+    count of equations run), and among records made at the same count the one of
+    the first shard in mesh order. The result is the same on every shard (cached
+    so that the framework's body cache recognises it)."""
 
     def reduce_ctx(state: _State) -> _State:
+        own = state.here.reshape(())
         found = state.site >= 0
-        key = jnp.where(found, state.shard, _NO_SHARD)
+        when = jnp.where(found, state.when, _NO_SHARD)
+        first_when = _all_axes(jax.lax.pmin, when, manual)
+        key = jnp.where(found & (when == first_when), state.shard, _NO_SHARD)
         first_key = _all_axes(jax.lax.pmin, key, manual)
         # Exactly one shard among those with the first key.
-        own = state.here.reshape(())
         chosen = own == _all_axes(jax.lax.pmin, jnp.where(key == first_key, own, _NO_SHARD), manual)
 
         def pick(value: Any) -> Any:
@@ -431,6 +446,10 @@ def _first_shard(manual: tuple[Any, ...]) -> Callable[[_State], _State]:
             nan=pick(state.nan.astype(jnp.int32)) > 0,
             shard=jnp.where(any_found, pick(state.shard), -1),
             iterations=jnp.where(any_found, pick(state.iterations), -1),
+            when=jnp.where(any_found, pick(state.when), -1),
+            # The clock goes on from the shard that ran the most equations
+            # (`where` on `own` makes it varying, as pmax needs with check_vma).
+            tick=_all_axes(jax.lax.pmax, jnp.where(own >= 0, state.tick, 0), manual),
             # Replicated, to leave the body; the caller keeps its own.
             here=jnp.zeros(state.here.shape, jnp.int32),
         )
@@ -441,8 +460,8 @@ def _first_shard(manual: tuple[Any, ...]) -> Callable[[_State], _State]:
 def _check_shard_map(
     interpreter: Any, state: _State, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:
-    """The body starts with no record; the first shard's record comes out and
-    replaces the outer one if that is empty."""
+    """The body starts with no record; the earliest record of any shard comes out
+    and replaces the outer one if that is empty."""
     mesh, manual_set = shard_map_axes(eqn)
     sizes = dict(mesh.shape)
     mesh_axes = tuple((name, sizes[name]) for name in mesh.axis_names)
@@ -451,6 +470,7 @@ def _check_shard_map(
     scope = tuple((name, size) for name, size in mesh_axes if name in names)
     inner = _initial_state()._replace(
         iterations=jnp.full(state.iterations.shape, -1, jnp.int32),
+        tick=state.tick,
         here=_shard_indices(state.here, mesh_axes, manual),
         counters=state.counters,
         scope=_Scope(scope, mesh_axes, state.scope.frame),
@@ -467,7 +487,7 @@ def _check_shard_map(
         declare_ctx_in_specs=ctx_in_specs,
         reduce_ctx=_first_shard(manual),
     )
-    merged = _select(state.site < 0, result.ctx, state)
+    merged = _select(state.site < 0, result.ctx, state)._replace(tick=result.ctx.tick)
     return HandlerResult(merged, result.outvals)
 
 
@@ -539,8 +559,9 @@ class NanReport:
       before any iteration, reports 0 too).
     - `iteration`: the innermost of `iterations`, or `None`.
     - `shard`: `{axis: coordinate}` over the manual mesh axes of the
-      `shard_map`s around it: the first shard, in mesh order, that produced a
-      NaN or Inf there; `None` outside `shard_map`.
+      `shard_map`s around it: the shard where the NaN or Inf appeared first
+      (counted in equations run; among shards that produced theirs at the same
+      equation, the first in mesh order); `None` outside `shard_map`.
 
     Values computed from constants alone (literals, closed-over arrays, and what
     is computed from them, such as the NaN `jnp.var` builds for an empty reduction
@@ -712,8 +733,9 @@ def find_nans(fn: Callable[..., Any]) -> Callable[..., tuple[Any, NanReport]]:
     derivatives and `shard_map`. Only the first equation whose output holds a
     NaN or Inf is reported: a NaN flowing into later equations does not move the
     report. Integer outputs are not checked. Inside a loop the report says which
-    iteration, inside a `shard_map` on which shard (the first one in mesh order
-    that produced one). Everything computed is checked, also values that are
+    iteration, inside a `shard_map` on which shard (the one where it appeared
+    first: a NaN that a collective spreads to other shards is reported where it
+    was made). Everything computed is checked, also values that are
     discarded later (such as the untaken side of `jnp.where`).
 
     **Arguments:**
