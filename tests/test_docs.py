@@ -52,12 +52,7 @@ PUBLIC_MODULES = [
     "kups.debug",
 ]
 # Docstring examples that are fragments (they use names they do not define).
-FRAGMENTS = {
-    "kups.effects.Dispatcher",
-    "kups.effects.Interpreter",
-    "kups.effects.default_scan_handler",
-    "kups.effects.reinterpret",
-}
+FRAGMENTS: set[str] = set()
 
 
 @dataclasses.dataclass

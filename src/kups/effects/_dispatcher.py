@@ -48,14 +48,17 @@ class Dispatcher:
     **Example:**
 
     ```python
-    from kups.effects import Dispatcher, HandlerResult
+    import jax.numpy as jnp
+    from kups.effects import HandlerResult, Interpreter, default_dispatcher, reinterpret
 
 
     def count_sin(interpreter, ctx, eqn, invals):
-        return HandlerResult(ctx + 1, [jax.numpy.sin(invals[0])])
+        return HandlerResult(ctx + 1, [jnp.sin(invals[0])])
 
 
     dispatcher = default_dispatcher().register_handler("sin", count_sin)
+    out, count = reinterpret(lambda x: jnp.sin(jnp.sin(x)), Interpreter(dispatcher))(0, 1.0)
+    assert count == 2
     ```
     """
 

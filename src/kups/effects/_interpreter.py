@@ -69,9 +69,15 @@ class Interpreter:
     **Example:**
 
     ```python
+    import jax
+    import jax.numpy as jnp
+    from kups.effects import Interpreter, default_dispatcher
+
+    x = jnp.arange(3.0)
     interpreter = Interpreter(default_dispatcher())
-    closed = jax.make_jaxpr(f)(x)
-    outs, ctx = interpreter(closed, ctx, x)
+    closed = jax.make_jaxpr(jnp.sin)(x)
+    outs, ctx = interpreter(closed, {"any": "pytree"}, x)
+    assert (outs[0] == jnp.sin(x)).all() and ctx == {"any": "pytree"}
     ```
     """
 

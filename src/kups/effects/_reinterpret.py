@@ -36,10 +36,17 @@ def reinterpret(fn: Callable[..., Any], interpreter: Interpreter) -> Callable[..
     **Example:**
 
     ```python
+    import jax.numpy as jnp
     from kups.effects import Interpreter, default_dispatcher, reinterpret
 
+
+    def f(x, scale=2.0):
+        return jnp.tanh(x) * scale
+
+
     identity = Interpreter(default_dispatcher())
-    out, ctx = reinterpret(f, identity)(ctx, x)  # out == f(x), ctx unchanged
+    out, ctx = reinterpret(f, identity)(0, jnp.ones(3), scale=3.0)
+    assert (out == f(jnp.ones(3), scale=3.0)).all() and ctx == 0
     ```
     """
     if not callable(fn):

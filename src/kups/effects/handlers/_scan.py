@@ -44,7 +44,11 @@ def default_scan_handler(
     Register it with options through `functools.partial`:
 
     ```python
-    dispatcher.register_handler(
+    import functools
+
+    from kups.effects import ScanSemantics, default_dispatcher, default_scan_handler
+
+    dispatcher = default_dispatcher().register_handler(
         "scan", functools.partial(default_scan_handler, threading=ScanSemantics.RESULT)
     )
     ```
