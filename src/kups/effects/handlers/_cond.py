@@ -13,7 +13,7 @@ from .._body import TracedBody, interpret_fn, trace_body, trace_interpreted
 from .._context import CtxSpec, diff, split
 from .._interpreter import where
 from .._types import HandlerResult
-from ._while import _forwarded_inputs
+from ._loop import forwarded_inputs
 
 
 def default_cond_handler(
@@ -82,7 +82,7 @@ def _forwarded_ctx(traced: list[TracedBody], num_ctx: int, num_ctx_in: int) -> l
     """For each context output, the index of the context input that every branch
     returns unchanged, or `None`."""
     forwarded: list[int | None] = []
-    per_branch = [_forwarded_inputs(body.jaxpr)[:num_ctx] for body in traced]
+    per_branch = [forwarded_inputs(body.jaxpr)[:num_ctx] for body in traced]
     for i in range(num_ctx):
         sources = {
             None if (source := fwd[i]) is None else source - body.num_consts

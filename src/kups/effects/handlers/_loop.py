@@ -1,4 +1,5 @@
-"""What `scan` and `while` share: finding the context a loop carries."""
+"""What the loop and branch handlers share: finding the context a loop carries,
+and which context values a body passes through unchanged."""
 
 from __future__ import annotations
 
@@ -164,3 +165,74 @@ def consts_first(body: TracedBody, num_ctx: int, num_consts: int) -> Any:
 def arg_avals_of(jaxpr: Any) -> list[Any]:
     open_jaxpr, _ = _compat.open_jaxpr(jaxpr)
     return [v.aval for v in open_jaxpr.invars]
+
+
+def invariant_ctx_first(
+    jaxpr: Any, num_consts: int, invariant: list[bool], *, is_body: bool
+) -> Any:
+    """A while condition (`[consts, ctx, carry] -> [pred]`) or body (`[consts, ctx,
+    carry] -> [ctx, carry]`) with the invariant context inputs moved in front of its
+    consts, and the body's outputs for them dropped."""
+    num_ctx = len(invariant)
+    invars = jaxpr.invars
+    ctx_vars = invars[num_consts : num_consts + num_ctx]
+    moved = [v for v, inv in zip(ctx_vars, invariant, strict=True) if inv]
+    kept = [v for v, inv in zip(ctx_vars, invariant, strict=True) if not inv]
+    new_invars = [*moved, *invars[:num_consts], *kept, *invars[num_consts + num_ctx :]]
+    outvars = jaxpr.outvars
+    if is_body:
+        outvars = [
+            *(v for v, inv in zip(outvars[:num_ctx], invariant, strict=True) if not inv),
+            *outvars[num_ctx:],
+        ]
+    return _compat.replace_jaxpr(jaxpr, invars=new_invars, outvars=outvars)
+
+
+def forwarded_inputs(jaxpr: Any) -> list[int | None]:
+    """For each output of `jaxpr`, the index of the input it returns unchanged, or
+    `None`; values are followed through sub-programs that pass them through."""
+    jaxpr, _ = _compat.open_jaxpr(jaxpr)
+    source: dict[Any, int] = {v: i for i, v in enumerate(jaxpr.invars)}
+    for sub_eqn in jaxpr.eqns:
+        for var, index in zip(sub_eqn.outvars, _eqn_forwarding(sub_eqn), strict=True):
+            atom = None if index is None else sub_eqn.invars[index]
+            if atom is not None and not _compat.is_literal(atom) and atom in source:
+                source[var] = source[atom]
+    return [None if _compat.is_literal(v) else source.get(v) for v in jaxpr.outvars]
+
+
+def _eqn_forwarding(eqn: JaxprEqn) -> list[int | None]:
+    """For each output of `eqn`, the index of the input it equals, or `None`."""
+    name, params = eqn.primitive.name, eqn.params
+    unknown: list[int | None] = [None] * len(eqn.outvars)
+    if name in ("jit", "pjit", "remat2", "checkpoint", "closed_call", "core_call"):
+        sub = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
+    elif name in ("custom_jvp_call", "custom_vjp_call"):
+        sub = params["call_jaxpr"]
+    elif name == "cond":
+        per_branch = [forwarded_inputs(branch) for branch in params["branches"]]
+        return [
+            # Input 0 of a cond is the branch index; operands follow it.
+            None if f[0] is None or any(g != f[0] for g in f) else f[0] + 1
+            for f in zip(*per_branch, strict=True)
+        ]
+    elif name == "while":
+        num_body_consts = params["body_nconsts"]
+        body = forwarded_inputs(params["body_jaxpr"])
+        return [
+            params["cond_nconsts"] + i if i == num_body_consts + j else None
+            for j, i in enumerate(body)
+        ]
+    elif name == "scan":
+        num_consts, num_carry = params["num_consts"], params["num_carry"]
+        body = forwarded_inputs(params["jaxpr"])
+        return [
+            num_consts + j if j < num_carry and body[j] == num_consts + j else None
+            for j in range(len(eqn.outvars))
+        ]
+    else:
+        return unknown
+    sub_jaxpr, _ = _compat.open_jaxpr(sub)
+    if len(sub_jaxpr.invars) != len(eqn.invars) or len(sub_jaxpr.outvars) != len(eqn.outvars):
+        return unknown
+    return forwarded_inputs(sub_jaxpr)

@@ -12,8 +12,16 @@ from .._body import TracedBody, trace_interpreted
 from .._context import CtxSpec, same_type, split
 from .._interpreter import where
 from .._types import HandlerResult, ScanSemantics
-from ._loop import Initializer, Updater, arg_avals_of, consts_first, resolve_carry, with_updater
-from ._while import _forwarded_inputs, _invariant_ctx_first
+from ._loop import (
+    Initializer,
+    Updater,
+    arg_avals_of,
+    consts_first,
+    forwarded_inputs,
+    invariant_ctx_first,
+    resolve_carry,
+    with_updater,
+)
 
 
 def default_scan_handler(
@@ -82,11 +90,11 @@ def default_scan_handler(
     # Context leaves the body returns unchanged are consts, not carries, as
     # `lax.scan` does for its own carries: XLA compiles a loop-invariant carry into
     # a different (larger) program.
-    body_fwd = _forwarded_inputs(body.jaxpr)[:num_ctx]
+    body_fwd = forwarded_inputs(body.jaxpr)[:num_ctx]
     invariant = [f == body.num_consts + i for i, f in enumerate(body_fwd)]
     num_invariant = sum(invariant)
     if num_invariant:
-        jaxpr = _invariant_ctx_first(jaxpr, body.num_consts + num_consts, invariant, is_body=True)
+        jaxpr = invariant_ctx_first(jaxpr, body.num_consts + num_consts, invariant, is_body=True)
     invariant_values = [v for v, inv in zip(ctx_values, invariant, strict=True) if inv]
     carried_values = [v for v, inv in zip(ctx_values, invariant, strict=True) if not inv]
     new_params = _compat.scan_params(

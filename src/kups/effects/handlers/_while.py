@@ -13,7 +13,16 @@ from .._body import TracedBody, trace_body, trace_interpreted
 from .._context import CtxSpec, diff
 from .._interpreter import where
 from .._types import HandlerResult
-from ._loop import Initializer, Updater, arg_avals_of, consts_first, resolve_carry, with_updater
+from ._loop import (
+    Initializer,
+    Updater,
+    arg_avals_of,
+    consts_first,
+    forwarded_inputs,
+    invariant_ctx_first,
+    resolve_carry,
+    with_updater,
+)
 
 
 def default_while_handler(
@@ -64,14 +73,14 @@ def default_while_handler(
     # Context leaves the body returns unchanged are consts, not carries, as
     # `lax.while_loop` does for its own carries: under `vmap` with a batched
     # predicate, every carry comes out batched.
-    body_fwd = _forwarded_inputs(body.jaxpr)[:num_ctx]
+    body_fwd = forwarded_inputs(body.jaxpr)[:num_ctx]
     invariant = [f == body.num_consts + i for i, f in enumerate(body_fwd)]
     num_invariant = sum(invariant)
     if num_invariant:
         num_cond_consts = cond.num_consts + cond_nconsts
-        new_cond = _invariant_ctx_first(new_cond, num_cond_consts, invariant, is_body=False)
+        new_cond = invariant_ctx_first(new_cond, num_cond_consts, invariant, is_body=False)
         num_body_consts = body.num_consts + body_nconsts
-        new_body = _invariant_ctx_first(new_body, num_body_consts, invariant, is_body=True)
+        new_body = invariant_ctx_first(new_body, num_body_consts, invariant, is_body=True)
     invariant_values = [v for v, inv in zip(ctx_values, invariant, strict=True) if inv]
     carried_values = [v for v, inv in zip(ctx_values, invariant, strict=True) if not inv]
     new_params = dict(
@@ -103,33 +112,12 @@ def default_while_handler(
     return HandlerResult(body.ctx_out.unflatten(ctx_out), out[num_carried:])
 
 
-def _invariant_ctx_first(
-    jaxpr: Any, num_consts: int, invariant: list[bool], *, is_body: bool
-) -> Any:
-    """A while condition (`[consts, ctx, carry] -> [pred]`) or body (`[consts, ctx,
-    carry] -> [ctx, carry]`) with the invariant context inputs moved in front of its
-    consts, and the body's outputs for them dropped."""
-    num_ctx = len(invariant)
-    invars = jaxpr.invars
-    ctx_vars = invars[num_consts : num_consts + num_ctx]
-    moved = [v for v, inv in zip(ctx_vars, invariant, strict=True) if inv]
-    kept = [v for v, inv in zip(ctx_vars, invariant, strict=True) if not inv]
-    new_invars = [*moved, *invars[:num_consts], *kept, *invars[num_consts + num_ctx :]]
-    outvars = jaxpr.outvars
-    if is_body:
-        outvars = [
-            *(v for v, inv in zip(outvars[:num_ctx], invariant, strict=True) if not inv),
-            *outvars[num_ctx:],
-        ]
-    return _compat.replace_jaxpr(jaxpr, invars=new_invars, outvars=outvars)
-
-
 def _check_condition_keeps_ctx(eqn: JaxprEqn, spec: CtxSpec, cond: TracedBody) -> None:
     """The condition's traced context outputs must be its context inputs, unchanged."""
     num_ctx = spec.num_values
     # Control flow in the condition (a `jit`, a `cond`) threads the context through
     # its own outputs: follow values through it rather than comparing variables.
-    forwarded = _forwarded_inputs(cond.jaxpr)
+    forwarded = forwarded_inputs(cond.jaxpr)
     unchanged = [forwarded[j] == cond.num_consts + j for j in range(num_ctx)]
     if cond.ctx_out.same_as(spec) and all(unchanged):
         return
@@ -149,56 +137,6 @@ def _check_condition_keeps_ctx(eqn: JaxprEqn, spec: CtxSpec, cond: TracedBody) -
         "functools.partial(default_while_handler, thread_condition=True) to thread "
         "the context through the condition too, or move the effect into the body."
     )
-
-
-def _forwarded_inputs(jaxpr: Any) -> list[int | None]:
-    """For each output of `jaxpr`, the index of the input it returns unchanged, or
-    `None`; values are followed through sub-programs that pass them through."""
-    jaxpr, _ = _compat.open_jaxpr(jaxpr)
-    source: dict[Any, int] = {v: i for i, v in enumerate(jaxpr.invars)}
-    for sub_eqn in jaxpr.eqns:
-        for var, index in zip(sub_eqn.outvars, _eqn_forwarding(sub_eqn), strict=True):
-            atom = None if index is None else sub_eqn.invars[index]
-            if atom is not None and not _compat.is_literal(atom) and atom in source:
-                source[var] = source[atom]
-    return [None if _compat.is_literal(v) else source.get(v) for v in jaxpr.outvars]
-
-
-def _eqn_forwarding(eqn: JaxprEqn) -> list[int | None]:
-    """For each output of `eqn`, the index of the input it equals, or `None`."""
-    name, params = eqn.primitive.name, eqn.params
-    unknown: list[int | None] = [None] * len(eqn.outvars)
-    if name in ("jit", "pjit", "remat2", "checkpoint", "closed_call", "core_call"):
-        sub = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
-    elif name in ("custom_jvp_call", "custom_vjp_call"):
-        sub = params["call_jaxpr"]
-    elif name == "cond":
-        per_branch = [_forwarded_inputs(branch) for branch in params["branches"]]
-        return [
-            # Input 0 of a cond is the branch index; operands follow it.
-            None if f[0] is None or any(g != f[0] for g in f) else f[0] + 1
-            for f in zip(*per_branch, strict=True)
-        ]
-    elif name == "while":
-        num_body_consts = params["body_nconsts"]
-        body = _forwarded_inputs(params["body_jaxpr"])
-        return [
-            params["cond_nconsts"] + i if i == num_body_consts + j else None
-            for j, i in enumerate(body)
-        ]
-    elif name == "scan":
-        num_consts, num_carry = params["num_consts"], params["num_carry"]
-        body = _forwarded_inputs(params["jaxpr"])
-        return [
-            num_consts + j if j < num_carry and body[j] == num_consts + j else None
-            for j in range(len(eqn.outvars))
-        ]
-    else:
-        return unknown
-    sub_jaxpr, _ = _compat.open_jaxpr(sub)
-    if len(sub_jaxpr.invars) != len(eqn.invars) or len(sub_jaxpr.outvars) != len(eqn.outvars):
-        return unknown
-    return _forwarded_inputs(sub_jaxpr)
 
 
 def _while_threading_condition(
