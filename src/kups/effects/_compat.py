@@ -17,7 +17,9 @@ import jax.extend
 import jax.extend.core
 from jax._src import api_util as _api_util
 from jax._src import core as _core
+from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
+from jax._src import shard_map as _shard_map_impl
 from jax._src import sharding_impls as _sharding_impls
 from jax._src import source_info_util as _source_info_util
 from jax._src.interpreters import partial_eval as _pe
@@ -172,6 +174,46 @@ def shard_map_params(
     params: dict[str, Any], *, jaxpr: Jaxpr, in_specs: tuple[Any, ...], out_specs: tuple[Any, ...]
 ) -> dict[str, Any]:
     return dict(params, jaxpr=jaxpr, in_specs=in_specs, out_specs=out_specs)
+
+
+def bind_shard_map(primitive: Any, params: dict[str, Any], invals: Sequence[Any]) -> list[Any]:
+    """Binds a `shard_map` whose body is already an (interpreted) jaxpr.
+
+    While staging (under `jit` or inside another body being traced), the equation
+    is emitted as it is. `bind` would turn the body back into a function and trace
+    it again, and every shard_map nested in it again with it: quadratic in the
+    nesting depth. JAX 0.10.2's staging rule is followed (the `newly_manual_axes`
+    signature); elsewhere, and where the outputs' varying axes do not fit their
+    specs (so that JAX raises its own error), this is `bind_equation`.
+    """
+    trace = _core.trace_ctx.trace
+    jaxpr = params["jaxpr"]
+    if (
+        not isinstance(trace, _pe.DynamicJaxprTrace)
+        or trace.requires_low
+        or "newly_manual_axes" not in params
+        or jaxpr.constvars
+        or jaxpr.is_high
+    ):
+        return bind_equation(primitive, params, invals)
+    mesh, check_vma, out_specs = params["mesh"], params["check_vma"], params["out_specs"]
+    inner_avals = [v.aval for v in jaxpr.outvars]
+    if check_vma and not all(
+        _shard_map_impl._valid_repeats(mesh, aval.mat, spec)
+        for spec, aval in zip(out_specs, inner_avals, strict=True)
+    ):
+        return bind_equation(primitive, params, invals)
+    out_avals = [
+        _core.unshard_aval(mesh, check_vma, spec, aval)
+        for spec, aval in zip(out_specs, inner_avals, strict=True)
+    ]
+    effects = _core.filter_named_axis_effects(_core.positional_effects(jaxpr), mesh.axis_names)
+    source_info = _source_info_util.current()
+    tracers = [
+        trace.to_jaxpr_tracer(_dtypes.canonicalize_value(x), source_info=source_info)
+        for x in invals
+    ]
+    return list(trace.emit_eqn(tracers, out_avals, primitive, params, effects, source_info))
 
 
 def shard_aval(

@@ -164,7 +164,7 @@ def default_shard_map_handler(
     args = [*body.consts, *ctx_values, *invals]
 
     def bind(*args: Any) -> list[Any]:
-        return _compat.bind_equation(eqn.primitive, new_params, args)
+        return _compat.bind_shard_map(eqn.primitive, new_params, args)
 
     if any(isinstance(a, _compat.Tracer) for a in args) or not _contains_shard_map(body.jaxpr):
         # Eagerly, bound as it is: JAX runs a shard_map body op by op, and compiling
