@@ -1057,6 +1057,25 @@ def test_plant_scan_inside_shard_map_and_shard_map_inside_scan(mesh42):
     assert_tree_close(out, planted)
 
 
+@pytest.mark.parametrize("trips", [0, 2])
+def test_plant_append_in_a_loop_carry_inside_shard_map(mesh42, trips):
+    # Found by the fuzzer (seed 1451): with zero trips, the planted entry must still
+    # vary over the manual axes as the loop carry it replaces does.
+    def f(x):
+        def body(block):
+            step = lambda i, c: sow(c, tag="t", name="c", mode="append")  # noqa: E731
+            return lax.fori_loop(0, trips, step, block)
+
+        return jax.jit(
+            jax.shard_map(body, mesh=mesh42, in_specs=P("y"), out_specs=P("y"), axis_names={"y"})
+        )(x)
+
+    x = jnp.linspace(-1.0, 1.0, 16)
+    out, reaped = reap(f, tag="t")(x)
+    assert reaped["c"].shape == (2, trips, 8)
+    assert_tree_close(plant(f, tag="t")(reaped, x), out)
+
+
 def test_plant_shard_map_wrong_number_of_entries_is_an_error(mesh42):
     with raises(ValueError, "shape (4,)", "needs 8 entries", "manual axes ('x', 'y')"):
         plant(per_shard_sums, tag="t")({"block_sum": jnp.zeros(4)}, mesh42, jnp.arange(16.0))

@@ -720,8 +720,10 @@ def _entry(ctx: _Planted, op: Any, leaf: Any) -> Any:
         return leaf[(0,) * op[1]]
     length, reverse = ctx.loops[op]
     if length == 0:
-        # The body of a zero-length scan is traced but never runs.
-        return jnp.zeros(jnp.shape(leaf)[1:], jnp.result_type(leaf))
+        # The body of a zero-length scan is traced but never runs: any value of the
+        # entry's type will do. The (zero) sum over the empty axis keeps the leaf's
+        # varying manual axes, which a scan carry inside shard_map must keep.
+        return jnp.sum(leaf, axis=0, dtype=jnp.result_type(leaf))
     iteration = ctx.counters[op]
     index = length - 1 - iteration if reverse else iteration
     return jax.lax.dynamic_index_in_dim(leaf, index, axis=0, keepdims=False)
