@@ -39,6 +39,13 @@ def counting():
     return Interpreter(default_dispatcher().register_handler("sin", count_sin))
 
 
+def counting_for(key):
+    def count(interpreter, ctx, eqn, invals):
+        return HandlerResult({**ctx, key: ctx[key] + 1}, [jnp.sin(invals[0])])
+
+    return Interpreter(default_dispatcher().register_handler("sin", count))
+
+
 def identity():
     return Interpreter(default_dispatcher())
 
@@ -69,6 +76,38 @@ def test_identity_matches_plain_jax():
     np.testing.assert_allclose(grad, jax.grad(lambda a: jnp.sum(f(a, b)))(a))
     batched, _ = jax.vmap(interpret, in_axes=(None, 0, None))(ctx, jnp.stack([a, a + 1]), b)
     np.testing.assert_allclose(batched, jax.vmap(f, in_axes=(0, None))(jnp.stack([a, a + 1]), b))
+
+
+def test_context_the_body_leaves_alone_is_not_an_output():
+    f = jax.jit(g)
+    ctx = {"n": jnp.int32(0), "tag": jnp.float32(1.5)}
+    closed = jax.make_jaxpr(reinterpret(f, counting_for("n")))(ctx, 1.0, 2.0)
+    (eqn,) = jit_eqns(closed)
+    assert len(eqn.outvars) == 2  # the new count and g's output; "tag" is not one
+    _, new_ctx = reinterpret(f, counting_for("n"))(ctx, 1.0, 2.0)
+    assert int(new_ctx["n"]) == 1 and new_ctx["tag"] is ctx["tag"]
+
+
+def test_unused_jit_in_a_loop_stays_dead_code(mesh42):
+    # A jit (here of a shard_map) whose outputs nobody uses is dead code in the
+    # original loop body. Were the context threaded out of it, it would be live,
+    # and XLA would compile the loop differently (the sum below rounds differently).
+    def f(a):
+        def body(c):
+            jax.jit(
+                jax.shard_map(
+                    lambda b: b, mesh=mesh42, in_specs=P(("x", "y")), out_specs=P(("x", "y"))
+                )
+            )(c)
+            return c + jnp.sum(c) * 0.125
+
+        trips = jnp.where(jnp.sum(a) < 100.0, 3, 2)
+        return jax.lax.while_loop(lambda s: s[0] < trips, lambda s: (s[0] + 1, body(s[1])), (0, a))
+
+    a = jnp.linspace(-1.0, 1.0, 16)
+    out, ctx = reinterpret(f, identity())(0, a)
+    np.testing.assert_array_equal(out[1], f(a)[1])
+    assert ctx == 0
 
 
 def test_counts_inside_nested_jit():

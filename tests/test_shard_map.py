@@ -131,14 +131,19 @@ def test_identity_matches_plain_jax(mesh42):
 
 
 def test_default_ctx_specs_are_replicated(mesh42):
+    def bump_b(interpreter, ctx, eqn, invals):
+        return HandlerResult({**ctx, "b": ctx["b"] + 1}, [jnp.sin(invals[0])])
+
     f = full_manual(mesh42)
     ctx = {"a": jnp.arange(3.0), "b": jnp.int32(7)}
-    closed = jax.make_jaxpr(lambda c, x: reinterpret(f, Interpreter(default_dispatcher()))(c, x))(
-        ctx, X
-    )
+    interpreted = reinterpret(f, interpreter_with(bump_b))
+    closed = jax.make_jaxpr(interpreted)(ctx, X)
     (eqn,) = shard_map_eqns(closed)
     assert eqn.params["in_specs"] == (P(), P(), P("x", "y"))
-    assert eqn.params["out_specs"] == (P(), P(), P("x", "y"))
+    # "a" leaves the body unchanged: it is taken from outside, not an output.
+    assert eqn.params["out_specs"] == (P(), P("x", "y"))
+    _, new_ctx = interpreted(ctx, X)
+    assert new_ctx["a"] is ctx["a"] and int(new_ctx["b"]) == 8
     assert _compat.shard_map_manual_axes(eqn.params) == frozenset({"x", "y"})
     assert eqn.params["check_vma"] is True
     assert eqn.params["mesh"] == mesh42

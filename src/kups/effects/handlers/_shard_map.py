@@ -15,6 +15,7 @@ from .._body import interpret_fn, trace_body
 from .._context import CtxSpec, split
 from .._interpreter import where
 from .._types import HandlerResult
+from ._loop import forwarded_inputs
 
 SpecFn = Callable[[Any], Any]
 
@@ -155,13 +156,26 @@ def default_shard_map_handler(
         _check_replication(eqn, out_spec, out_specs, manual_axes, reduce_ctx is not None)
 
     const_specs = tuple(PartitionSpec() for _ in body.consts)
+    all_in_specs = (*const_specs, *in_specs, *params["in_specs"])
+    args = [*body.consts, *ctx_values, *invals]
+    # Context values the body returns unchanged, with the same spec in and out,
+    # are taken from outside rather than made outputs: a shard_map whose outputs
+    # nobody uses then stays dead code, as in the original program.
+    num_ctx_out = out_spec.num_values
+    forwarded = [
+        f if f is not None and all_in_specs[f] == out_specs[j] else None
+        for j, f in enumerate(forwarded_inputs(body.jaxpr)[:num_ctx_out])
+    ]
+    outvars = body.jaxpr.outvars
+    kept = [j for j, f in enumerate(forwarded) if f is None]
     new_params = _compat.shard_map_params(
         params,
-        jaxpr=body.jaxpr,
-        in_specs=(*const_specs, *in_specs, *params["in_specs"]),
-        out_specs=(*out_specs, *params["out_specs"]),
+        jaxpr=_compat.replace_jaxpr(
+            body.jaxpr, outvars=[*(outvars[j] for j in kept), *outvars[num_ctx_out:]]
+        ),
+        in_specs=all_in_specs,
+        out_specs=(*(out_specs[j] for j in kept), *params["out_specs"]),
     )
-    args = [*body.consts, *ctx_values, *invals]
 
     def bind(*args: Any) -> list[Any]:
         return _compat.bind_shard_map(eqn.primitive, new_params, args)
@@ -174,8 +188,9 @@ def default_shard_map_handler(
         # Run eagerly, JAX 0.10.2 fails on a shard_map nested in this one that takes a
         # replicated (P()) input, as the context always is: run it compiled instead.
         out = jax.jit(bind)(*args)
-    num_ctx = out_spec.num_values
-    return HandlerResult(out_spec.unflatten(out[:num_ctx]), out[num_ctx:])
+    computed = iter(out[: len(kept)])
+    ctx_out = [next(computed) if f is None else args[f] for f in forwarded]
+    return HandlerResult(out_spec.unflatten(ctx_out), out[len(kept) :])
 
 
 def _contains_shard_map(jaxpr: Any) -> bool:
