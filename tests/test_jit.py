@@ -153,8 +153,10 @@ def test_donation_params_shift_past_ctx_and_consts():
     donated = [v for v, d in zip(eqn.invars, eqn.params["donated_invars"]) if d]
     assert donated == [outer_invars[3]]
     assert len(eqn.params["donated_invars"]) == len(eqn.invars)
-    # The handler's constant entered the body: the indices did shift.
-    assert len(eqn.invars) > 4
+    # The handler's constant and ctx["log"] entered the body, so the indices did
+    # shift; ctx["other"], which the body never reads, did not enter.
+    assert len(eqn.invars) == 4
+    assert eqn.invars[1] is outer_invars[0] and outer_invars[1] not in eqn.invars
 
 
 def test_donation_eager_deletes_user_buffer_not_ctx():

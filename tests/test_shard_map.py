@@ -139,8 +139,9 @@ def test_default_ctx_specs_are_replicated(mesh42):
     interpreted = reinterpret(f, interpreter_with(bump_b))
     closed = jax.make_jaxpr(interpreted)(ctx, X)
     (eqn,) = shard_map_eqns(closed)
-    assert eqn.params["in_specs"] == (P(), P(), P("x", "y"))
-    # "a" leaves the body unchanged: it is taken from outside, not an output.
+    # "b" enters and leaves replicated; "a", which the body neither reads nor
+    # changes, is neither an input nor an output.
+    assert eqn.params["in_specs"] == (P(), P("x", "y"))
     assert eqn.params["out_specs"] == (P(), P("x", "y"))
     _, new_ctx = interpreted(ctx, X)
     assert new_ctx["a"] is ctx["a"] and int(new_ctx["b"]) == 8

@@ -18,6 +18,7 @@ import jax.extend.core
 from jax._src import api_util as _api_util
 from jax._src import core as _core
 from jax._src import dtypes as _dtypes
+from jax._src import effects as _effects
 from jax._src import linear_util as _lu
 from jax._src import shard_map as _shard_map_impl
 from jax._src import sharding_impls as _sharding_impls
@@ -133,6 +134,11 @@ def hoist_consts(jaxpr: Jaxpr) -> Jaxpr:
 
 def new_closed_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any]) -> ClosedJaxpr:
     return ClosedJaxpr(jaxpr, list(consts))
+
+
+def has_input_effects(jaxpr: Jaxpr) -> bool:
+    """Whether `jaxpr` has effects that name one of its inputs by position."""
+    return any(isinstance(e, _effects.JaxprInputEffect) for e in jaxpr.effects)
 
 
 def is_var(atom: Any) -> bool:

@@ -10,7 +10,7 @@ from .. import _compat
 from .._body import trace_interpreted
 from .._context import split
 from .._types import HandlerResult
-from ._loop import forwarded_inputs
+from ._loop import forwarded_inputs, unused_dropped
 
 
 def default_jit_handler(
@@ -34,7 +34,10 @@ def default_jit_handler(
     outvars = body.jaxpr.outvars
     kept = [v for v, f in zip(outvars[:num_ctx_out], forwarded, strict=True) if f is None]
     jaxpr = _compat.replace_jaxpr(body.jaxpr, outvars=[*kept, *outvars[num_ctx_out:]])
-    num_extra_in = body.num_consts + spec.num_values
+    num_extra = body.num_consts + spec.num_values
+    jaxpr, read = unused_dropped(jaxpr, num_extra)
+    args = [*(x for x, r in zip(inputs[:num_extra], read, strict=True) if r), *invals]
+    num_extra_in = sum(read)
     num_extra_out = len(kept)
     new_params = dict(
         params,
@@ -45,7 +48,7 @@ def default_jit_handler(
         out_layouts=(None,) * num_extra_out + tuple(params["out_layouts"]),
         donated_invars=(False,) * num_extra_in + tuple(params["donated_invars"]),
     )
-    out = _compat.bind_equation(eqn.primitive, new_params, inputs)
+    out = _compat.bind_equation(eqn.primitive, new_params, args)
     computed = iter(out[:num_extra_out])
     ctx_out = [next(computed) if f is None else inputs[f] for f in forwarded]
     return HandlerResult(body.ctx_out.unflatten(ctx_out), out[num_extra_out:])

@@ -236,3 +236,24 @@ def _eqn_forwarding(eqn: JaxprEqn) -> list[int | None]:
     if len(sub_jaxpr.invars) != len(eqn.invars) or len(sub_jaxpr.outvars) != len(eqn.outvars):
         return unknown
     return forwarded_inputs(sub_jaxpr)
+
+
+def unused_dropped(jaxpr: Any, num: int) -> tuple[Any, list[bool]]:
+    """`jaxpr` without those of its first `num` inputs that it never reads, and
+    which of them it keeps.
+
+    The handlers pass the context (and the consts of a traced body) into a call as
+    leading inputs; where the body does not read them, leaving them out keeps the
+    call as the user wrote it (XLA may compile a program differently when an
+    otherwise dead call takes one more input). Jaxprs with effects that refer to
+    inputs by position are left as they are.
+    """
+    if _compat.has_input_effects(jaxpr):
+        return jaxpr, [True] * num
+    read = {v for eqn in jaxpr.eqns for v in eqn.invars if _compat.is_var(v)}
+    read.update(v for v in jaxpr.outvars if _compat.is_var(v))
+    keep = [v in read for v in jaxpr.invars[:num]]
+    if all(keep):
+        return jaxpr, keep
+    invars = [v for v, k in zip(jaxpr.invars[:num], keep, strict=True) if k]
+    return _compat.replace_jaxpr(jaxpr, invars=[*invars, *jaxpr.invars[num:]]), keep

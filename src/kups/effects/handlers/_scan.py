@@ -20,6 +20,7 @@ from ._loop import (
     forwarded_inputs,
     invariant_ctx_first,
     resolve_carry,
+    unused_dropped,
     with_updater,
 )
 
@@ -97,16 +98,19 @@ def default_scan_handler(
         jaxpr = invariant_ctx_first(jaxpr, body.num_consts + num_consts, invariant, is_body=True)
     invariant_values = [v for v, inv in zip(ctx_values, invariant, strict=True) if inv]
     carried_values = [v for v, inv in zip(ctx_values, invariant, strict=True) if not inv]
+    extra_consts = [*invariant_values, *body.consts]
+    jaxpr, read = unused_dropped(jaxpr, len(extra_consts))
+    extra_consts = [v for v, r in zip(extra_consts, read, strict=True) if r]
     new_params = _compat.scan_params(
         params,
         jaxpr=_compat.new_closed_jaxpr(jaxpr, ()),
-        num_consts=num_invariant + body.num_consts + num_consts,
+        num_consts=len(extra_consts) + num_consts,
         num_carry=len(carried_values) + num_carry,
     )
     out = _compat.bind_equation(
         eqn.primitive,
         new_params,
-        [*invariant_values, *body.consts, *consts, *carried_values, *carry, *xs],
+        [*extra_consts, *consts, *carried_values, *carry, *xs],
     )
     carried_out = iter(out[: len(carried_values)])
     ctx_out = [

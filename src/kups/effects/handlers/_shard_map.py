@@ -15,7 +15,7 @@ from .._body import interpret_fn, trace_body
 from .._context import CtxSpec, split
 from .._interpreter import where
 from .._types import HandlerResult
-from ._loop import forwarded_inputs
+from ._loop import forwarded_inputs, unused_dropped
 
 SpecFn = Callable[[Any], Any]
 
@@ -168,26 +168,35 @@ def default_shard_map_handler(
     ]
     outvars = body.jaxpr.outvars
     kept = [j for j, f in enumerate(forwarded) if f is None]
+    jaxpr = _compat.replace_jaxpr(
+        body.jaxpr, outvars=[*(outvars[j] for j in kept), *outvars[num_ctx_out:]]
+    )
+    num_extra = len(body.consts) + len(ctx_values)
+    jaxpr, read = unused_dropped(jaxpr, num_extra)
     new_params = _compat.shard_map_params(
         params,
-        jaxpr=_compat.replace_jaxpr(
-            body.jaxpr, outvars=[*(outvars[j] for j in kept), *outvars[num_ctx_out:]]
+        jaxpr=jaxpr,
+        in_specs=(
+            *(s for s, r in zip(all_in_specs[:num_extra], read, strict=True) if r),
+            *params["in_specs"],
         ),
-        in_specs=all_in_specs,
         out_specs=(*(out_specs[j] for j in kept), *params["out_specs"]),
     )
+    bound_args = [*(x for x, r in zip(args[:num_extra], read, strict=True) if r), *invals]
 
     def bind(*args: Any) -> list[Any]:
         return _compat.bind_shard_map(eqn.primitive, new_params, args)
 
-    if any(isinstance(a, _compat.Tracer) for a in args) or not _contains_shard_map(body.jaxpr):
+    if any(isinstance(a, _compat.Tracer) for a in bound_args) or not _contains_shard_map(
+        body.jaxpr
+    ):
         # Eagerly, bound as it is: JAX runs a shard_map body op by op, and compiling
         # it instead could change the result in its last bits.
-        out = bind(*args)
+        out = bind(*bound_args)
     else:
         # Run eagerly, JAX 0.10.2 fails on a shard_map nested in this one that takes a
         # replicated (P()) input, as the context always is: run it compiled instead.
-        out = jax.jit(bind)(*args)
+        out = jax.jit(bind)(*bound_args)
     computed = iter(out[: len(kept)])
     ctx_out = [next(computed) if f is None else args[f] for f in forwarded]
     return HandlerResult(out_spec.unflatten(ctx_out), out[len(kept) :])
