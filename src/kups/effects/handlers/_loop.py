@@ -1,8 +1,10 @@
-"""What the loop and branch handlers share: finding the context a loop carries,
-and which context values a body passes through unchanged."""
+"""What the handlers of sub-programs share: finding the context a loop carries,
+which context values a body passes through unchanged, and trimming a call to the
+context it really reads and changes."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -257,3 +259,58 @@ def unused_dropped(jaxpr: Any, num: int) -> tuple[Any, list[bool]]:
         return jaxpr, keep
     invars = [v for v, k in zip(jaxpr.invars[:num], keep, strict=True) if k]
     return _compat.replace_jaxpr(jaxpr, invars=[*invars, *jaxpr.invars[num:]]), keep
+
+
+@dataclasses.dataclass(frozen=True)
+class TrimmedCall:
+    """A call's body without the context outputs it passes through unchanged and
+    without the leading (context and const) inputs it never reads.
+
+    `forwarded[j]` is the input that context output `j` equals, or `None` where
+    the body computes it; `kept_out` lists the computed ones, `kept_in` says which
+    leading inputs stay.
+    """
+
+    jaxpr: Any
+    kept_in: tuple[bool, ...]
+    kept_out: tuple[int, ...]
+    forwarded: tuple[int | None, ...]
+
+    def inputs(self, values: Sequence[Any]) -> list[Any]:
+        """`values` (one per input of the untrimmed body) for the trimmed one."""
+        num = len(self.kept_in)
+        return [*(v for v, k in zip(values[:num], self.kept_in, strict=True) if k), *values[num:]]
+
+    def outputs(self, inputs: Sequence[Any], out: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """The context values and the other outputs, from the trimmed call's `out`
+        and the untrimmed body's `inputs`."""
+        computed = iter(out[: len(self.kept_out)])
+        ctx = [next(computed) if f is None else inputs[f] for f in self.forwarded]
+        return ctx, list(out[len(self.kept_out) :])
+
+
+def trim_call(
+    jaxpr: Any,
+    num_extra_in: int,
+    num_ctx_out: int,
+    passes: Callable[[int, int], bool] = lambda out_index, in_index: True,
+) -> TrimmedCall:
+    """Trims a traced call body whose first `num_extra_in` inputs and first
+    `num_ctx_out` outputs are the handler's (consts and context).
+
+    A context output that equals an input (and for which `passes(output, input)`
+    holds) is taken from outside rather than computed: a call whose outputs
+    nobody uses then stays dead code, as in the original program. Leading inputs
+    the body never reads are left out (see `unused_dropped`).
+    """
+    forwarded = tuple(
+        f if f is not None and passes(j, f) else None
+        for j, f in enumerate(forwarded_inputs(jaxpr)[:num_ctx_out])
+    )
+    kept_out = tuple(j for j, f in enumerate(forwarded) if f is None)
+    outvars = jaxpr.outvars
+    jaxpr = _compat.replace_jaxpr(
+        jaxpr, outvars=[*(outvars[j] for j in kept_out), *outvars[num_ctx_out:]]
+    )
+    jaxpr, kept_in = unused_dropped(jaxpr, num_extra_in)
+    return TrimmedCall(jaxpr, tuple(kept_in), kept_out, forwarded)

@@ -15,7 +15,7 @@ from .._body import interpret_fn, trace_body
 from .._context import CtxSpec, split
 from .._interpreter import where
 from .._types import HandlerResult
-from ._loop import forwarded_inputs, unused_dropped
+from ._loop import trim_call
 
 SpecFn = Callable[[Any], Any]
 
@@ -158,31 +158,20 @@ def default_shard_map_handler(
     const_specs = tuple(PartitionSpec() for _ in body.consts)
     all_in_specs = (*const_specs, *in_specs, *params["in_specs"])
     args = [*body.consts, *ctx_values, *invals]
-    # Context values the body returns unchanged, with the same spec in and out,
-    # are taken from outside rather than made outputs: a shard_map whose outputs
-    # nobody uses then stays dead code, as in the original program.
-    num_ctx_out = out_spec.num_values
-    forwarded = [
-        f if f is not None and all_in_specs[f] == out_specs[j] else None
-        for j, f in enumerate(forwarded_inputs(body.jaxpr)[:num_ctx_out])
-    ]
-    outvars = body.jaxpr.outvars
-    kept = [j for j, f in enumerate(forwarded) if f is None]
-    jaxpr = _compat.replace_jaxpr(
-        body.jaxpr, outvars=[*(outvars[j] for j in kept), *outvars[num_ctx_out:]]
+    # A context value passes through only with the same spec in and out.
+    call = trim_call(
+        body.jaxpr,
+        len(body.consts) + len(ctx_values),
+        out_spec.num_values,
+        passes=lambda j, f: all_in_specs[f] == out_specs[j],
     )
-    num_extra = len(body.consts) + len(ctx_values)
-    jaxpr, read = unused_dropped(jaxpr, num_extra)
     new_params = _compat.shard_map_params(
         params,
-        jaxpr=jaxpr,
-        in_specs=(
-            *(s for s, r in zip(all_in_specs[:num_extra], read, strict=True) if r),
-            *params["in_specs"],
-        ),
-        out_specs=(*(out_specs[j] for j in kept), *params["out_specs"]),
+        jaxpr=call.jaxpr,
+        in_specs=tuple(call.inputs(all_in_specs)),
+        out_specs=(*(out_specs[j] for j in call.kept_out), *params["out_specs"]),
     )
-    bound_args = [*(x for x, r in zip(args[:num_extra], read, strict=True) if r), *invals]
+    bound_args = call.inputs(args)
 
     def bind(*args: Any) -> list[Any]:
         return _compat.bind_shard_map(eqn.primitive, new_params, args)
@@ -197,9 +186,8 @@ def default_shard_map_handler(
         # Run eagerly, JAX 0.10.2 fails on a shard_map nested in this one that takes a
         # replicated (P()) input, as the context always is: run it compiled instead.
         out = jax.jit(bind)(*bound_args)
-    computed = iter(out[: len(kept)])
-    ctx_out = [next(computed) if f is None else args[f] for f in forwarded]
-    return HandlerResult(out_spec.unflatten(ctx_out), out[len(kept) :])
+    ctx_out, outs = call.outputs(args, out)
+    return HandlerResult(out_spec.unflatten(ctx_out), outs)
 
 
 def _contains_shard_map(jaxpr: Any) -> bool:
