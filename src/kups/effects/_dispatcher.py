@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+import gc
+import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -23,6 +26,90 @@ class Handler(Protocol):
 MatchingRule = Callable[[Any, JaxprEqn, list[Any]], bool]
 
 
+class StaleTraceWarning(UserWarning):
+    """A dispatcher changed after it was used to trace a function: what was traced
+    (and cached by `jax.jit`) before the change keeps the handlers of before."""
+
+
+# Names of every primitive kups has seen exist. It only grows: a name that was a
+# primitive's stays a valid key even when the primitive is garbage collected.
+_PRIMITIVE_NAMES: set[str] = set()
+
+# What users write for a primitive, by the name of the JAX function that binds it.
+_ALIASES = {
+    "dot": "dot_general",
+    "matmul": "dot_general",
+    "einsum": "dot_general",
+    "tensordot": "dot_general",
+    "while_loop": "while",
+    "fori_loop": "while",
+    "switch": "cond",
+    "select": "select_n",
+    "where": "select_n",
+    "remat": "remat2",
+    "custom_jvp": "custom_jvp_call",
+    "custom_vjp": "custom_vjp_call",
+    "map": "scan",
+    "pmap": "shard_map",
+    "shmap": "shard_map",
+    "sum": "reduce_sum",
+    "subtract": "sub",
+    "multiply": "mul",
+    "divide": "div",
+    "negative": "neg",
+    "power": "pow",
+    "maximum": "max",
+    "minimum": "min",
+}
+
+
+def _refresh_primitive_names() -> None:
+    """Adds the names of the default handlers and of every live `Primitive`.
+
+    JAX has no public list of its primitives, and primitives of libraries, of
+    `define_effect` and of users are created at any time: the live objects are
+    the complete list. Scanning them takes some milliseconds, so it is done only
+    when a name is not known yet.
+    """
+    from ._defaults import DEFAULT_HANDLERS
+
+    _PRIMITIVE_NAMES.update(DEFAULT_HANDLERS)
+    _PRIMITIVE_NAMES.update(
+        obj.name
+        for obj in gc.get_objects()
+        if isinstance(obj, Primitive) and isinstance(getattr(obj, "name", None), str)
+    )
+
+
+def _suggestions(name: str) -> list[str]:
+    found = [_ALIASES[name]] if name in _ALIASES else []
+    found += difflib.get_close_matches(name, sorted(_PRIMITIVE_NAMES), n=3, cutoff=0.6)
+    found += sorted((known for known in _PRIMITIVE_NAMES if known.startswith(name + "_")), key=len)[
+        :2
+    ]
+    return list(dict.fromkeys(found))[:4]
+
+
+def _check_primitive_name(name: str) -> None:
+    """Raises a `ValueError` if no primitive is named `name`."""
+    if name in _PRIMITIVE_NAMES:
+        return
+    _refresh_primitive_names()
+    if name in _PRIMITIVE_NAMES:
+        return
+    suggestions = _suggestions(name)
+    hint = f" Did you mean {' or '.join(repr(s) for s in suggestions)}?" if suggestions else ""
+    raise ValueError(
+        f"No JAX primitive is named {name!r}, so a handler registered under it would "
+        f"never run.{hint} Handlers are keyed by the primitive names that jaxprs show "
+        f"(print jax.make_jaxpr(f)(*args) to see them: 'sin', 'dot_general', 'while', "
+        f"...), which are not always the names of the jax.numpy or jax.lax functions. "
+        f"For a primitive of your own, register the Primitive object itself "
+        f"(dispatcher.register_handler(my_primitive, handler)), or create it before "
+        f"registering its name."
+    )
+
+
 def _key(prim: Primitive | str) -> str:
     if isinstance(prim, str):
         return prim
@@ -39,7 +126,16 @@ class Dispatcher:
     """Maps primitives to handlers.
 
     A primitive and its name are the same key. Registration mutates the dispatcher
-    and returns it, so calls chain.
+    and returns it, so calls chain. A name that no primitive has (`"sine"`,
+    `"dot"`, `"while_loop"`) is a `ValueError` that suggests the right one; a
+    `Primitive` object is always accepted.
+
+    A function traced with this dispatcher under `jax.jit` is cached by JAX with
+    the handlers it was traced with: changing the dispatcher afterwards does not
+    change it. So a change to a dispatcher that has already been used while
+    staging (under `jax.jit`, `make_jaxpr` or inside a control-flow body) warns
+    with a `StaleTraceWarning`; use `dispatcher.copy()` (or a new dispatcher) and
+    a new `Interpreter` for the changed handlers.
 
     **Arguments:**
 
@@ -66,17 +162,40 @@ class Dispatcher:
         self._handlers: dict[str, Handler] = {}
         self._rules: list[MatchingRule] = []
         self._fallback: Handler | None = None
+        self._staged = False
         for prim, handler in (handlers or {}).items():
             self.register_handler(prim, handler)  # pyright: ignore[reportArgumentType]
 
+    def _changing(self, change: str) -> None:
+        if self._staged:
+            warnings.warn(
+                f"{change} on a Dispatcher that was already used to trace a function "
+                f"(under jax.jit, make_jaxpr or a control-flow body). What was traced "
+                f"before keeps the handlers it was traced with: a function jitted with "
+                f"this dispatcher does not see the change until it is traced again, and "
+                f"jax.jit caches its trace. To use the new handlers, build a new "
+                f"dispatcher (dispatcher.copy(), then change the copy) with a new "
+                f"Interpreter and wrap the function again; or call jax.clear_caches().",
+                StaleTraceWarning,
+                stacklevel=3,
+            )
+
     def register_handler(self, prim: Primitive | str, handler: Handler) -> Dispatcher:
-        """Sends equations of `prim` to `handler`, replacing any handler it had."""
+        """Sends equations of `prim` to `handler`, replacing any handler it had.
+
+        `prim` is a `Primitive` or the name of one; a name that no primitive has is
+        a `ValueError` that names the closest ones.
+        """
+        key = _key(prim)
         if not callable(handler):
             raise TypeError(
-                f"The handler for {_key(prim)!r} must be callable as "
+                f"The handler for {key!r} must be callable as "
                 f"handler(interpreter, ctx, eqn, invals), got {type(handler).__name__}."
             )
-        self._handlers[_key(prim)] = handler
+        if isinstance(prim, str):
+            _check_primitive_name(prim)
+        self._changing(f"register_handler({key!r}, ...)")
+        self._handlers[key] = handler
         return self
 
     def unregister_handler(self, prim: Primitive | str) -> Dispatcher:
@@ -87,6 +206,7 @@ class Dispatcher:
                 f"No handler is registered for primitive {key!r}; registered: "
                 f"{sorted(self._handlers)}."
             )
+        self._changing(f"unregister_handler({key!r})")
         del self._handlers[key]
         return self
 
@@ -102,6 +222,7 @@ class Dispatcher:
         """
         if not callable(rule):
             raise TypeError(f"A matching rule must be callable, got {type(rule).__name__}.")
+        self._changing("register_custom_matching_rule(...)")
         self._rules.append(rule)
         return self
 
@@ -114,6 +235,7 @@ class Dispatcher:
         """
         if handler is not None and not callable(handler):
             raise TypeError(f"A fallback handler must be callable, got {type(handler).__name__}.")
+        self._changing("register_fallback_handler(...)")
         self._fallback = handler
         return self
 
@@ -135,8 +257,10 @@ class Dispatcher:
         return self._fallback
 
     def copy(self) -> Dispatcher:
-        """A new dispatcher with the same handlers, rules and fallback."""
-        new = Dispatcher(self._handlers)
+        """A new dispatcher with the same handlers, rules and fallback, not yet used
+        to trace anything."""
+        new = Dispatcher()
+        new._handlers = dict(self._handlers)
         new._rules = list(self._rules)
         new._fallback = self._fallback
         return new

@@ -10,9 +10,11 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from . import _compat
+from ._compat_traceback import is_staging
 from ._context import leaked_static_paths
 from ._dispatcher import Dispatcher
 from ._matching import contains_subjaxprs, is_control_flow
+from ._traceback import api_boundary
 from ._types import InterpreterPolicy
 
 # Per jaxpr, its walking plan: for each equation, whether it is control flow and
@@ -107,15 +109,26 @@ class Interpreter:
         label = f", label={self.label!r}" if self.label else ""
         return f"Interpreter({self.dispatcher!r}, policy={self.policy.name}{label})"
 
+    @api_boundary
     def __call__(
         self, closed_jaxpr: ClosedJaxpr | Jaxpr, ctx: Any, *args: Any
     ) -> tuple[list[Any], Any]:
         """Interprets `closed_jaxpr` on `args` with `ctx`.
 
+        **Arguments:**
+
+        - `closed_jaxpr`: the program, as `jax.make_jaxpr(fn)(*args)` gives it (a
+          `ClosedJaxpr`, or a `Jaxpr` without constvars). To interpret a Python
+          function, use `reinterpret(fn, interpreter)`.
+        - `ctx`: the context, any pytree.
+        - `args`: one value per input of the jaxpr.
+
         **Returns:**
 
         `(outs, ctx)`: the list of the jaxpr's outputs and the final context.
         """
+        if not isinstance(closed_jaxpr, (ClosedJaxpr, Jaxpr)):
+            raise TypeError(_not_a_jaxpr(self, closed_jaxpr))
         jaxpr, consts = _compat.open_jaxpr(closed_jaxpr)
         if len(args) != len(jaxpr.invars):
             raise TypeError(
@@ -124,6 +137,8 @@ class Interpreter:
             )
         if self._depth == 0:
             self._body_cache = {}
+            if not self.dispatcher._staged and is_staging():
+                self.dispatcher._staged = True
         self._depth += 1
         try:
             return self._run(jaxpr, consts, ctx, args)
@@ -213,6 +228,24 @@ class Interpreter:
             raise NotImplementedError(message)
         warnings.warn(message, stacklevel=2)
         return _compat.bind_equation(eqn.primitive, eqn.params, invals)
+
+
+def _not_a_jaxpr(interpreter: Interpreter, value: Any) -> str:
+    label = interpreter.label or "Interpreter"
+    if callable(value):
+        name = getattr(value, "__qualname__", None) or type(value).__name__
+        return (
+            f"{label} interprets a jaxpr, and was given the function {name} "
+            f"({type(value).__name__}). To run a Python function (jitted or not) under "
+            f"the interpreter, wrap it: reinterpret({name}, interpreter)(ctx, *args); "
+            f"or trace it first: interpreter(jax.make_jaxpr({name})(*args), ctx, *args)."
+        )
+    return (
+        f"{label} interprets a jaxpr (a jax.extend.core.ClosedJaxpr, as "
+        f"jax.make_jaxpr(fn)(*args) returns), and was given a {type(value).__name__}. "
+        f"Call it as interpreter(jax.make_jaxpr(fn)(*args), ctx, *args), or wrap the "
+        f"function: reinterpret(fn, interpreter)(ctx, *args)."
+    )
 
 
 def _name(handler: Any) -> str:

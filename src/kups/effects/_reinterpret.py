@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -11,8 +11,127 @@ import jax
 import jax.numpy as jnp
 
 from ._interpreter import Interpreter
+from ._traceback import api_boundary
 
 Ctx = TypeVar("Ctx")
+F = TypeVar("F", bound=Callable[..., Any])
+
+_POSITIONAL_ONLY = inspect.Parameter.POSITIONAL_ONLY
+
+
+def user_signature(fn: Callable[..., Any]) -> inspect.Signature | None:
+    """The signature of `fn`, or `None` when Python cannot read one (some builtins
+    and C extensions)."""
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def signature_with_leading(fn: Callable[..., Any], *names: str) -> inspect.Signature:
+    """`fn`'s signature with positional-only parameters `names` put in front.
+
+    A leading name that clashes with one of `fn`'s parameters gets underscores
+    appended. When `fn`'s signature cannot be read, `(*names, /, *args, **kwargs)`.
+    """
+    signature = user_signature(fn)
+    if signature is None:
+        rest = [
+            inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+            inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+        ]
+        taken: set[str] = {"args", "kwargs"}
+    else:
+        rest = list(signature.parameters.values())
+        taken = set(signature.parameters)
+    leading = []
+    for name in names:
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        leading.append(inspect.Parameter(name, _POSITIONAL_ONLY))
+    return_annotation = (
+        inspect.Signature.empty if signature is None else signature.return_annotation
+    )
+    return inspect.Signature([*leading, *rest], return_annotation=return_annotation)
+
+
+def wraps_with_leading(fn: Callable[..., Any], *names: str) -> Callable[[F], F]:
+    """Decorates a wrapper of `fn` that takes the leading arguments `names` before
+    `fn`'s own, so that it looks like `fn` with those arguments in front.
+
+    The wrapper gets `fn`'s `__name__`, `__qualname__`, `__doc__` and `__module__`,
+    and as `__signature__` the one of `fn` with positional-only `names` in front
+    (`inspect.signature`, `jax.jit`'s `static_argnums`/`donate_argnums` and
+    `equinox.filter_jit` read it). Unlike `functools.wraps` it sets no
+    `__wrapped__`: the wrapper is not `fn`, and tools that follow `__wrapped__`
+    would read `fn`'s signature (or its arrays) instead of the wrapper's. With no
+    `names`, the wrapper takes exactly `fn`'s arguments.
+
+    **Arguments:**
+
+    - `fn`: the wrapped function.
+    - `names`: the names of the arguments the wrapper takes before `fn`'s.
+
+    **Returns:**
+
+    A decorator that sets these attributes on the wrapper and returns it.
+
+    **Example:**
+
+    ```python
+    import inspect
+
+    from kups.effects._reinterpret import wraps_with_leading
+
+
+    def f(x, y=1.0):
+        return x * y
+
+
+    @wraps_with_leading(f, "values")
+    def wrapped(values, *args, **kwargs):
+        return f(*args, **kwargs)
+
+
+    assert str(inspect.signature(wrapped)) == "(values, /, x, y=1.0)"
+    assert wrapped.__name__ == "f" and not hasattr(wrapped, "__wrapped__")
+    ```
+    """
+
+    def decorate(wrapper: F) -> F:
+        name = getattr(fn, "__name__", None)
+        qualname = getattr(fn, "__qualname__", None)
+        # A callable object (an equinox.Module, a functools.partial) is named by its type.
+        wrapper.__name__ = name if isinstance(name, str) else type(fn).__name__
+        wrapper.__qualname__ = qualname if isinstance(qualname, str) else type(fn).__qualname__
+        wrapper.__doc__ = getattr(fn, "__doc__", None)
+        wrapper.__module__ = getattr(fn, "__module__", None) or wrapper.__module__
+        wrapper.__signature__ = signature_with_leading(fn, *names)  # pyright: ignore[reportAttributeAccessIssue]
+        if "__wrapped__" in getattr(wrapper, "__dict__", {}):
+            del wrapper.__wrapped__  # pyright: ignore[reportAttributeAccessIssue]
+        return wrapper
+
+    return decorate
+
+
+def missing_leading_argument(
+    signature: inspect.Signature | None, leading: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+    """Whether `fn(*args, **kwargs)` cannot bind but `fn(leading, *args, **kwargs)`
+    can: the caller forgot a leading argument, so that `fn`'s first argument was
+    taken for it."""
+    if signature is None:
+        return False
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError:
+        try:
+            signature.bind(leading, *args, **kwargs)
+        except TypeError:
+            return False
+        return True
+    return False
 
 
 def reinterpret(fn: Callable[..., Any], interpreter: Interpreter) -> Callable[..., tuple[Any, Any]]:
@@ -23,6 +142,12 @@ def reinterpret(fn: Callable[..., Any], interpreter: Interpreter) -> Callable[..
     transformations, so an `equinox.Module` can be passed as it is. The result
     works eagerly and under `jax.jit`, `vmap`, `grad`, `jvp`, `vjp`, `shard_map`,
     and can itself be interpreted again.
+
+    The wrapped function looks like `fn` with a leading positional-only `ctx`:
+    `inspect.signature` shows it, so `jax.jit(wrapped, donate_argnums=1)` donates
+    `fn`'s first argument and `equinox.filter_jit(wrapped)` binds its arguments as
+    `fn`'s. Errors raised inside `fn` or a handler show the user's frames and not
+    kups' (see `JAX_TRACEBACK_FILTERING`).
 
     **Arguments:**
 
@@ -36,6 +161,8 @@ def reinterpret(fn: Callable[..., Any], interpreter: Interpreter) -> Callable[..
     **Example:**
 
     ```python
+    import inspect
+
     import jax.numpy as jnp
     from kups.effects import Interpreter, default_dispatcher, reinterpret
 
@@ -45,8 +172,10 @@ def reinterpret(fn: Callable[..., Any], interpreter: Interpreter) -> Callable[..
 
 
     identity = Interpreter(default_dispatcher())
-    out, ctx = reinterpret(f, identity)(0, jnp.ones(3), scale=3.0)
+    wrapped = reinterpret(f, identity)
+    out, ctx = wrapped(0, jnp.ones(3), scale=3.0)
     assert (out == f(jnp.ones(3), scale=3.0)).all() and ctx == 0
+    assert str(inspect.signature(wrapped)) == "(ctx, /, x, scale=2.0)"
     ```
     """
     if not callable(fn):
@@ -59,9 +188,19 @@ def reinterpret(fn: Callable[..., Any], interpreter: Interpreter) -> Callable[..
             f"reinterpret(fn, interpreter) needs a kups.effects.Interpreter, got "
             f"{type(interpreter).__name__}. Build one with Interpreter(default_dispatcher())."
         )
+    signature = user_signature(fn)
 
-    @functools.wraps(fn)
-    def wrapped(ctx: Ctx, *args: Any, **kwargs: Any) -> tuple[Any, Ctx]:
+    def call(ctx: Ctx, *args: Any, **kwargs: Any) -> tuple[Any, Ctx]:
+        if missing_leading_argument(signature, ctx, args, kwargs):
+            name = getattr(fn, "__qualname__", None) or type(fn).__name__
+            raise TypeError(
+                f"The reinterpreted {name}{signature} was called with "
+                f"{len(args)} positional argument(s) after the context, one fewer than it "
+                f"needs: the first argument of a reinterpreted function is the context, "
+                f"so your first argument was taken for it. Call it as "
+                f"wrapped(ctx, *args), where ctx is the context the interpreter's handlers "
+                f"thread through (any pytree; None if they read none)."
+            )
         dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
         dyn_leaves, dyn_tree = jax.tree.flatten(dynamic)
         out_static: list[Any] = []
@@ -80,7 +219,7 @@ def reinterpret(fn: Callable[..., Any], interpreter: Interpreter) -> Callable[..
         out_tree, out_static_part = out_static[0]
         return eqx.combine(jax.tree.unflatten(out_tree, outs), out_static_part), ctx
 
-    return wrapped
+    return wraps_with_leading(fn, "ctx")(api_boundary(call))
 
 
 def _as_array(value: Any) -> Any:
