@@ -4,7 +4,9 @@
 `sow(value, tag=..., name=...)` marks a value inside a program; it returns the
 value unchanged and costs nothing when no interpreter looks at it. `reap(fn,
 tag=...)` runs `fn` and also returns every value sown under `tag`, by name;
-`plant(fn, tag=...)` runs `fn` with sown values replaced by given ones. Both are
+`plant(fn, tag=...)` runs `fn` with sown values replaced by given ones, and
+`harvest(fn, tag=...)` does both in one call. `nest(fn, scope=...)` puts the
+names `fn` sows under a scope: they come out as `reaped[scope][name]`. All are
 interpreters built on the public surface of `kups.effects`, so they see through
 `jit`, `scan`, `fori_loop`, `while_loop`, `cond`/`switch`, `jax.checkpoint`,
 `custom_jvp`/`custom_vjp` and `shard_map`.
@@ -19,13 +21,15 @@ source lines when one is broken):
   comes out stacked along the iterations, entry `i` belonging to `xs[i]`
   (also with `reverse=True`); nested scans stack once per scan, outermost
   first. A `"clobber"` name first sown inside the scan comes out as the value
-  of the last iteration that ran; after a scan of length 0 it has no value and
-  is left out of the result. A `"strict"` name cannot be sown inside a scan.
-  Outside any scan, an `"append"` name is sown at most once, like a strict one.
-- `while_loop` (and `fori_loop` with traced bounds): only `"clobber"` names
-  that were already sown before the loop may be sown inside it. A loop may run
-  zero times, and a name first sown inside it would then have no value; kups
-  does not invent one, so sow an initial value before the loop.
+  of the last iteration that ran; after a scan of length 0 it has the value of
+  the sow's `init` if it has one, else no value and it is left out of the
+  result. A `"strict"` name cannot be sown inside a scan. Outside any scan, an
+  `"append"` name is sown at most once, like a strict one.
+- `while_loop` (and `fori_loop` with traced bounds): only `"clobber"` names may
+  be sown inside it. A loop may run zero times, and a name first sown inside it
+  would then have no value; kups does not invent one. Either sow an initial
+  value before the loop, or say what a zero-trip loop yields with
+  `sow(..., mode="clobber", init=value)`.
 - `cond`/`switch`: the taken branch's values are reaped. A name that did not
   exist before the `cond` must be sown by every branch, with the same shape
   and dtype in each.
@@ -33,14 +37,18 @@ source lines when one is broken):
   with one entry per shard of the body's manual mesh axes, in mesh order
   (row-major over those axes). Values sown only outside keep their shape.
 
-`reap` consumes the sows of its tag (an enclosing `reap` of the same tag sees
-none of them); `plant` keeps them, with the planted values.
+Which sows a call acts on: those of its `tag` whose names pass `allowlist` and
+`blocklist`. `reap` consumes them (an enclosing `reap` of the same tag sees
+none of them); `plant` keeps them, with the planted values; `harvest` consumes
+them. Sows a call does not act on stay in the program for an enclosing call,
+except that with `exclusive=True` the sows of other tags are removed.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import numbers
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -70,19 +78,31 @@ from kups.effects import (
     varying_axes,
 )
 
-__all__ = ["MODES", "plant", "reap", "sow"]
+__all__ = ["MODES", "harvest", "nest", "plant", "reap", "sow"]
 
 MODES = ("strict", "append", "clobber")
 """The modes `sow` accepts."""
 
 # The primitive every `sow` binds. Its name is unique: dispatchers key by name.
+# Params: `tag`, `name`, `mode`, `tree` (of the value), `scope` (the scopes of
+# the enclosing `nest` calls, outermost first) and `init` (a number or None).
 _sow_p = define_effect("kups_sow")
+
+# Where a sown value goes in the result: its scopes, then its name.
+Path = tuple[str, ...]
 
 
 # ---------------------------------------------------------------- sow
 
 
-def sow(value: Any, *, tag: str, name: str, mode: str = "strict") -> Any:
+def sow(
+    value: Any,
+    *,
+    tag: str,
+    name: str,
+    mode: str = "strict",
+    init: bool | int | float | complex | None = None,
+) -> Any:
     """Marks `value` as an intermediate that `reap` can read and `plant` replace.
 
     Outside `reap`/`plant` (or under another tag) it is the identity, also
@@ -97,6 +117,12 @@ def sow(value: Any, *, tag: str, name: str, mode: str = "strict") -> Any:
     - `mode`: `"strict"` (the name is sown at most once per call), `"clobber"`
       (the last sow wins) or `"append"` (inside `scan`: one value per
       iteration, stacked along the iterations like the scan's outputs).
+    - `init`: only with `mode="clobber"`, for a sow inside a loop. A number:
+      what `reap` returns for the name when the `while_loop` (or `scan`) in
+      which it is first sown runs zero times, filled into the shape and dtype
+      of the sown value (every leaf). Without it, a name first sown inside a
+      `while_loop` is an error, and one first sown in a zero-length `scan` is
+      left out. A value sown before the loop takes precedence.
 
     **Returns:**
 
@@ -106,6 +132,7 @@ def sow(value: Any, *, tag: str, name: str, mode: str = "strict") -> Any:
 
         ```python
         import jax.numpy as jnp
+        from jax import lax
         from kups.harvest import reap, sow
 
 
@@ -117,6 +144,18 @@ def sow(value: Any, *, tag: str, name: str, mode: str = "strict") -> Any:
         out, sown = reap(f, tag="intermediates")(1.0)
         assert jnp.allclose(sown["y"], jnp.sin(1.0))
         assert jnp.allclose(out, 2.0 * jnp.sin(1.0))
+
+
+        def halve_until_small(x):
+            def body(x):
+                return sow(x / 2, tag="intermediates", name="last", mode="clobber", init=-1.0)
+
+            return lax.while_loop(lambda x: x > 1.0, body, x)
+
+
+        # The loop runs zero times: "last" is the init.
+        assert reap(halve_until_small, tag="intermediates")(0.5)[1]["last"] == -1.0
+        assert reap(halve_until_small, tag="intermediates")(3.0)[1]["last"] == 0.75
         ```
     """
     _check_name("tag", tag)
@@ -126,6 +165,19 @@ def sow(value: Any, *, tag: str, name: str, mode: str = "strict") -> Any:
             f"sow(tag={tag!r}, name={name!r}) got mode={mode!r}; the modes are "
             f"{', '.join(map(repr, MODES))}."
         )
+    if init is not None:
+        if mode != "clobber":
+            raise ValueError(
+                f"sow(tag={tag!r}, name={name!r}, mode={mode!r}) got init={init!r}; init is "
+                f"what a loop that runs zero times yields for a mode='clobber' name. Use "
+                f"mode='clobber', or leave init out."
+            )
+        if not isinstance(init, numbers.Number):
+            raise TypeError(
+                f"sow(tag={tag!r}, name={name!r}) got init of type {type(init).__name__}; "
+                f"init is a number (such as 0.0 or float('nan')), filled into the shape and "
+                f"dtype of the sown value."
+            )
     leaves, treedef = jax.tree.flatten(value)
     for leaf in leaves:
         if not eqx.is_array_like(leaf):
@@ -133,7 +185,7 @@ def sow(value: Any, *, tag: str, name: str, mode: str = "strict") -> Any:
                 f"sow(tag={tag!r}, name={name!r}) needs a pytree of arrays, but a leaf of "
                 f"the value is a {type(leaf).__name__}: {leaf!r}."
             )
-    out = _sow_p.bind(*leaves, tag=tag, name=name, mode=mode, tree=treedef)
+    out = _sow_p.bind(*leaves, tag=tag, name=name, mode=mode, tree=treedef, scope=(), init=init)
     return jax.tree.unflatten(treedef, out)
 
 
@@ -142,50 +194,168 @@ def _check_name(what: str, value: Any) -> None:
         raise TypeError(f"The {what} of a sown value must be a non-empty string, got {value!r}.")
 
 
+def _path_of(eqn: JaxprEqn) -> Path:
+    return (*eqn.params["scope"], eqn.params["name"])
+
+
+def _show(path: Path) -> str:
+    """A path as users write it in messages: `"scope/name"`."""
+    return "/".join(path)
+
+
+def _describe(tag: str, path: Path) -> str:
+    scope = f" in scope {_show(path[:-1])!r}" if len(path) > 1 else ""
+    return f"kups.harvest: name {path[-1]!r}{scope} of tag {tag!r}"
+
+
+# ---------------------------------------------------------------- which sows a call takes
+
+
+def _entries(caller: str, what: str, entries: Any) -> frozenset[Path] | None:
+    """`allowlist`/`blocklist` as a set of paths (a name is a path of length 1)."""
+    if entries is None:
+        return None
+    if isinstance(entries, str | bytes):
+        raise TypeError(
+            f"{caller}({what}={entries!r}) takes an iterable of names, not a single string "
+            f"(which would be read as its characters). Write {what}=[{entries!r}]."
+        )
+    if not isinstance(entries, Iterable):
+        raise TypeError(
+            f"{caller}({what}=...) takes an iterable of names, such as a list of strings; got "
+            f"{type(entries).__name__}: {entries!r}."
+        )
+    paths = set()
+    for entry in entries:
+        if isinstance(entry, str) and entry:
+            paths.add((entry,))
+        elif (
+            isinstance(entry, tuple)
+            and entry
+            and all(isinstance(part, str) and part for part in entry)
+        ):
+            paths.add(entry)
+        else:
+            raise TypeError(
+                f"{caller}({what}=...) got the entry {entry!r}; an entry is a name (a non-empty "
+                f"string) or, for names inside nest scopes, a tuple of scopes and name such "
+                f"as ('scope', 'name')."
+            )
+    return frozenset(paths)
+
+
+@dataclass(frozen=True)
+class _Selection:
+    """Which sows a `reap`, `plant` or `harvest` call acts on."""
+
+    tag: str
+    allowlist: frozenset[Path] | None
+    blocklist: frozenset[Path]
+    exclusive: bool
+
+    @classmethod
+    def of(
+        cls, caller: str, tag: str, allowlist: Any, blocklist: Any, exclusive: Any
+    ) -> _Selection:
+        _check_name("tag", tag)
+        allowed = _entries(caller, "allowlist", allowlist)
+        blocked = _entries(caller, "blocklist", blocklist) or frozenset()
+        both = sorted(blocked & allowed) if allowed is not None else []
+        if both:
+            raise ValueError(
+                f"{caller}(tag={tag!r}) has {[_show(path) for path in both]} in both allowlist "
+                f"and blocklist; say once whether a name is taken. Remove it from one of them."
+            )
+        if not isinstance(exclusive, bool):
+            raise TypeError(
+                f"{caller}(tag={tag!r}) got exclusive={exclusive!r}; it is True or False."
+            )
+        return cls(tag, allowed, blocked, exclusive)
+
+    def takes(self, path: Path) -> bool:
+        """Whether a sow of this tag at `path` passes the allowlist and blocklist.
+        An entry covers the names it is a prefix of (a scope covers its names)."""
+
+        def listed(entries: frozenset[Path]) -> bool:
+            return any(path[: len(entry)] == entry for entry in entries)
+
+        if self.allowlist is not None and not listed(self.allowlist):
+            return False
+        return not listed(self.blocklist)
+
+    def selects(self, eqn: JaxprEqn) -> bool:
+        return eqn.params["tag"] == self.tag and self.takes(_path_of(eqn))
+
+    def __str__(self) -> str:
+        parts = [f"tag={self.tag!r}"]
+        if self.allowlist is not None:
+            parts.append(f"allowlist={sorted(map(_show, self.allowlist))}")
+        if self.blocklist:
+            parts.append(f"blocklist={sorted(map(_show, self.blocklist))}")
+        if self.exclusive:
+            parts.append("exclusive=True")
+        return ", ".join(parts)
+
+
+def _untaken(
+    selection: _Selection, interpreter: Interpreter, ctx: Any, eqn: JaxprEqn, invals: list[Any]
+) -> HandlerResult | None:
+    """What becomes of a sow the call does not act on, or `None` if it acts on it."""
+    if eqn.params["tag"] != selection.tag:
+        if selection.exclusive:
+            # Removed: no enclosing reap or plant sees it.
+            return HandlerResult(ctx, list(invals))
+        return default_primitive_handler(interpreter, ctx, eqn, invals)
+    if not selection.takes(_path_of(eqn)):
+        # Left in the program as it is, for an enclosing call of this tag.
+        return default_primitive_handler(interpreter, ctx, eqn, invals)
+    return None
+
+
 # ---------------------------------------------------------------- contexts
 
 
 @dataclass(frozen=True)
 class _NameKey:
     """The key of a sown name in a context's key paths; framework error messages
-    print it as `ctx['name' (tag 'tag')]`."""
+    print it as `ctx['name' (tag 'tag')]` (`'scope/name'` inside `nest`)."""
 
     tag: str
-    name: str
+    path: Path
 
     def __str__(self) -> str:
-        return f"[{self.name!r} (tag {self.tag!r})]"
+        return f"[{_show(self.path)!r} (tag {self.tag!r})]"
 
 
 class _Reaped:
-    """The context of `reap`: the values sown so far, by name, each with its mode.
+    """The context of `reap`: the values sown so far, by path, each with its mode.
 
     The modes are static (tree aux data), so loop handlers can read them from a
     context whose leaves are abstract.
     """
 
-    def __init__(self, tag: str, values: Mapping[str, Any], modes: Mapping[str, str]):
+    def __init__(self, tag: str, values: Mapping[Path, Any], modes: Mapping[Path, str]):
         self.tag = tag
         self.values = dict(values)
         self.modes = dict(modes)
 
-    def sown(self, name: str, value: Any, mode: str) -> _Reaped:
-        return _Reaped(self.tag, {**self.values, name: value}, {**self.modes, name: mode})
+    def sown(self, path: Path, value: Any, mode: str) -> _Reaped:
+        return _Reaped(self.tag, {**self.values, path: value}, {**self.modes, path: mode})
 
-    def replace(self, values: Mapping[str, Any]) -> _Reaped:
-        """The same names and modes with other values (for example specs)."""
-        return _Reaped(self.tag, values, {name: self.modes[name] for name in values})
+    def replace(self, values: Mapping[Path, Any]) -> _Reaped:
+        """The same paths and modes with other values (for example specs)."""
+        return _Reaped(self.tag, values, {path: self.modes[path] for path in values})
 
 
 def _flatten_reaped(ctx: _Reaped) -> tuple[list[tuple[Any, Any]], Any]:
-    names = tuple(sorted(ctx.values))
-    children = [(_NameKey(ctx.tag, name), ctx.values[name]) for name in names]
-    return children, (ctx.tag, names, tuple(ctx.modes[name] for name in names))
+    paths = tuple(sorted(ctx.values))
+    children = [(_NameKey(ctx.tag, path), ctx.values[path]) for path in paths]
+    return children, (ctx.tag, paths, tuple(ctx.modes[path] for path in paths))
 
 
 def _unflatten_reaped(aux: Any, children: Iterable[Any]) -> _Reaped:
-    tag, names, modes = aux
-    return _Reaped(tag, dict(zip(names, children, strict=True)), dict(zip(names, modes)))
+    tag, paths, modes = aux
+    return _Reaped(tag, dict(zip(paths, children, strict=True)), dict(zip(paths, modes)))
 
 
 jax.tree_util.register_pytree_with_keys(_Reaped, _flatten_reaped, _unflatten_reaped)
@@ -199,28 +369,32 @@ _SHARD = "shard"
 
 
 class _Planted:
-    """The context of `plant`: the planted values by name, how to index each for
-    the sow at hand, and one iteration counter per enclosing scan."""
+    """The context of `plant`: the planted values as the user gave them (scopes
+    are nested dicts), how to index the value at each path for the sow at hand,
+    and one iteration counter per enclosing scan."""
 
     def __init__(
         self,
         tag: str,
         values: Mapping[str, Any],
-        pending: Mapping[str, tuple[Any, ...]],
+        pending: Mapping[Path, tuple[Any, ...]],
         loops: tuple[tuple[int, bool], ...],
         counters: tuple[Any, ...],
     ):
         self.tag = tag
         self.values = dict(values)
-        self.pending = {name: pending.get(name, ()) for name in self.values}
+        self.pending = {path: ops for path, ops in pending.items() if ops}
         self.loops = loops  # (length, reverse) of each enclosing scan, outermost first
         self.counters = counters
+
+    def ops(self, path: Path) -> tuple[Any, ...]:
+        return self.pending.get(path, ())
 
     def replace(
         self,
         *,
         values: Mapping[str, Any] | None = None,
-        pending: Mapping[str, tuple[Any, ...]] | None = None,
+        pending: Mapping[Path, tuple[Any, ...]] | None = None,
         loops: tuple[tuple[int, bool], ...] | None = None,
         counters: tuple[Any, ...] | None = None,
     ) -> _Planted:
@@ -235,21 +409,92 @@ class _Planted:
 
 def _flatten_planted(ctx: _Planted) -> tuple[list[tuple[Any, Any]], Any]:
     names = tuple(sorted(ctx.values))
-    children = [(_NameKey(ctx.tag, name), ctx.values[name]) for name in names]
+    children = [(_NameKey(ctx.tag, (name,)), ctx.values[name]) for name in names]
     children.append((GetAttrKey("counters"), ctx.counters))
-    pending = tuple(ctx.pending[name] for name in names)
-    return children, (ctx.tag, names, pending, ctx.loops)
+    return children, (ctx.tag, names, tuple(sorted(ctx.pending.items())), ctx.loops)
 
 
 def _unflatten_planted(aux: Any, children: Iterable[Any]) -> _Planted:
     tag, names, pending, loops = aux
     *values, counters = children
-    return _Planted(
-        tag, dict(zip(names, values, strict=True)), dict(zip(names, pending)), loops, counters
-    )
+    return _Planted(tag, dict(zip(names, values, strict=True)), dict(pending), loops, counters)
 
 
 jax.tree_util.register_pytree_with_keys(_Planted, _flatten_planted, _unflatten_planted)
+
+_MISSING = object()
+
+
+def _lookup(tag: str, values: Mapping[str, Any], path: Path, eqn: JaxprEqn) -> Any:
+    """The planted value at `path` (scopes are nested dicts), or `_MISSING`."""
+    node: Any = values
+    for depth, key in enumerate(path):
+        if not isinstance(node, Mapping):
+            raise TypeError(
+                f"{_describe(tag, path)} is sown at {source_line(eqn)}, inside scope "
+                f"{_show(path[:depth])!r}, but the value planted for {_show(path[:depth])!r} is "
+                f"a {type(node).__name__}, not a dict. Plant the names of a scope as a dict: "
+                f"values[scope][name], as reap returns them."
+            )
+        if key not in node:
+            return _MISSING
+        node = node[key]
+    return node
+
+
+def _replace_at(tree: Any, path: Path, new: Any) -> Any:
+    """`tree` (nested dicts) with the entry at `path` replaced by `new`."""
+    if not path:
+        return new
+    return {**tree, path[0]: _replace_at(tree[path[0]], path[1:], new)}
+
+
+def _unused(values: Mapping[str, Any], used: set[Path], prefix: Path = ()) -> list[Path]:
+    """The paths of `values` that no sow used (a scope counts as a dict of names)."""
+    unused = []
+    for key, value in values.items():
+        path = (*prefix, key)
+        if path in used:
+            continue
+        inside = any(p[: len(path)] == path for p in used)
+        if inside and isinstance(value, Mapping):
+            unused.extend(_unused(value, used, path))
+        else:
+            unused.append(path)
+    return unused
+
+
+def _nested(values: Mapping[Path, Any]) -> dict[str, Any]:
+    """Values by path as nested dicts: `{("a", "x"): v}` becomes `{"a": {"x": v}}`."""
+    out: dict[str, Any] = {}
+    for path in sorted(values):
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = values[path]
+    return out
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    return bool(a == b or (a != a and b != b))  # NaN is NaN
+
+
+def _init_of(tag: str, path: Path, sows: list[JaxprEqn]) -> Any:
+    """The `init` given by the sows of `path` among `sows`, or `None`."""
+    given = [e for e in sows if _path_of(e) == path and e.params["init"] is not None]
+    for other in given[1:]:
+        if not _same_number(other.params["init"], given[0].params["init"]):
+            raise ValueError(
+                f"{_describe(tag, path)} is sown with init={given[0].params['init']!r} at "
+                f"{source_line(given[0])} and with init={other.params['init']!r} at "
+                f"{source_line(other)}, in the same loop. Give the same init to both, or to one."
+            )
+    return given[0].params["init"] if given else None
+
+
+def _filled(init: Any, like: Any) -> Any:
+    """An array of `like`'s shape and dtype filled with `init`."""
+    return jnp.full(like.shape, init, like.dtype)
 
 
 # ---------------------------------------------------------------- the program, statically
@@ -284,72 +529,87 @@ class _Reaper:
     """The handlers of one `reap` call (one tag), and what they remember for
     error messages: where each name was first sown."""
 
-    def __init__(self, tag: str):
-        self.tag = tag
-        self.first_sown: dict[str, str] = {}
+    def __init__(self, selection: _Selection):
+        self.selection = selection
+        self.tag = selection.tag
+        self.first_sown: dict[Path, str] = {}
 
     def sows(self, jaxpr: Jaxpr | ClosedJaxpr) -> list[JaxprEqn]:
-        return [eqn for eqn in _sows_in(jaxpr) if eqn.params["tag"] == self.tag]
+        return [eqn for eqn in _sows_in(jaxpr) if self.selection.selects(eqn)]
 
-    def label(self, name: str) -> str:
-        return f"kups.harvest: name {name!r} of tag {self.tag!r}"
+    def label(self, path: Path) -> str:
+        return _describe(self.tag, path)
 
-    def interpreter(self) -> Interpreter:
+    def interpreter(self, caller: str) -> Interpreter:
         dispatcher = default_dispatcher()
         dispatcher.register_handler(_sow_p, self.sow)
         dispatcher.register_handler("scan", self.scan)
         dispatcher.register_handler("while", self.while_loop)
         dispatcher.register_handler("cond", self.cond)
         dispatcher.register_handler("shard_map", self.shard_map)
-        return Interpreter(dispatcher, label=f"kups.harvest.reap(tag={self.tag!r})")
+        return Interpreter(dispatcher, label=f"kups.harvest.{caller}({self.selection})")
+
+    def result(self, ctx: _Reaped) -> dict[str, Any]:
+        """The reaped values as nested dicts (a scope is a dict of its names)."""
+        scopes = {path[:depth]: path for path in self.first_sown for depth in range(1, len(path))}
+        for path in sorted(set(scopes) & set(self.first_sown)):
+            inner = scopes[path]
+            raise ValueError(
+                f"{self.label(path)} is sown at {self.first_sown[path]}, and "
+                f"{_show(path)!r} is also the scope of {_show(inner)!r}, sown at "
+                f"{self.first_sown[inner]}: the result cannot hold both a value and a dict of "
+                f"names under one key. Rename the name or the nest scope."
+            )
+        # A sown constant reaches the handler as a Python scalar: return arrays.
+        return _nested(jax.tree.map(jnp.asarray, ctx.values))
 
     def sow(
         self, interpreter: Interpreter, ctx: _Reaped, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
+        untaken = _untaken(self.selection, interpreter, ctx, eqn, invals)
+        if untaken is not None:
+            return untaken
         params = eqn.params
-        if params["tag"] != self.tag:
-            # Another tag's sow stays in the program, for an enclosing reap/plant.
-            return default_primitive_handler(interpreter, ctx, eqn, invals)
-        name, mode = params["name"], params["mode"]
-        if name in ctx.modes:
-            before = ctx.modes[name]
-            first = self.first_sown.get(name, "unknown")
+        path, mode = _path_of(eqn), params["mode"]
+        if path in ctx.modes:
+            before = ctx.modes[path]
+            first = self.first_sown.get(path, "unknown")
             if before != mode:
                 raise ValueError(
-                    f"{self.label(name)} is sown with mode={before!r} at {first} and with "
+                    f"{self.label(path)} is sown with mode={before!r} at {first} and with "
                     f"mode={mode!r} at {source_line(eqn)}; a name has one mode. Use the same "
                     f"mode for every sow of a name."
                 )
             if mode == "strict":
                 raise ValueError(
-                    f"{self.label(name)} is sown twice with mode='strict': at {first} and "
+                    f"{self.label(path)} is sown twice with mode='strict': at {first} and "
                     f"again at {source_line(eqn)}. A strict name is sown at most once per call; "
                     f"use mode='clobber' to keep the last value, or another name."
                 )
             if mode == "append":
                 raise ValueError(
-                    f"{self.label(name)} is sown twice with mode='append', at {first} and "
+                    f"{self.label(path)} is sown twice with mode='append', at {first} and "
                     f"again at {source_line(eqn)}. 'append' stacks the values of one sow "
                     f"along the iterations of the scans around it; a second sow of the name "
                     f"(outside a scan, or in another scan) has nowhere to go. Use another "
                     f"name, or mode='clobber' to keep the last value."
                 )
         else:
-            self.first_sown.setdefault(name, source_line(eqn))
+            self.first_sown.setdefault(path, source_line(eqn))
         value = jax.tree.unflatten(params["tree"], invals)
-        return HandlerResult(ctx.sown(name, value, mode), list(invals))
+        return HandlerResult(ctx.sown(path, value, mode), list(invals))
 
     def scan(
         self, interpreter: Interpreter, ctx: _Reaped, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
-        for sow_eqn in self.sows(eqn.params["jaxpr"]):
+        in_body = self.sows(eqn.params["jaxpr"])
+        for sow_eqn in in_body:
             if sow_eqn.params["mode"] == "strict":
-                name = sow_eqn.params["name"]
                 raise ValueError(
-                    f"{self.label(name)} is sown with mode='strict' at {source_line(sow_eqn)}, "
-                    f"inside the scan at {source_line(eqn)}, so it would be sown once per "
-                    f"iteration. Use mode='append' to get one value per iteration, or "
-                    f"mode='clobber' to get the last iteration's value."
+                    f"{self.label(_path_of(sow_eqn))} is sown with mode='strict' at "
+                    f"{source_line(sow_eqn)}, inside the scan at {source_line(eqn)}, so it would "
+                    f"be sown once per iteration. Use mode='append' to get one value per "
+                    f"iteration, or mode='clobber' to get the last iteration's value."
                 )
         # Names new in the body come back stacked along the iterations, entry i
         # belonging to xs[i]; names sown before the scan are carried.
@@ -359,12 +619,20 @@ class _Reaper:
         # The last iteration to run is the last entry, or the first one when reversed.
         last = 0 if reverse else -1
         values = {}
-        for name, value in out.values.items():
-            if name in ctx.values or out.modes[name] != "clobber":
-                values[name] = value
+        for path, value in out.values.items():
+            if path in ctx.values or out.modes[path] != "clobber":
+                values[path] = value
             elif length > 0:
-                values[name] = jax.tree.map(lambda stacked: stacked[last], value)
-            # A clobber name first sown in a scan that never runs has no value.
+                values[path] = jax.tree.map(lambda stacked: stacked[last], value)
+            else:
+                # A clobber name first sown in a scan that never runs has no value,
+                # unless its sow says what a zero-trip loop yields.
+                init = _init_of(self.tag, path, in_body)
+                if init is not None:
+                    values[path] = jax.tree.map(
+                        lambda stacked, init=init: jnp.full(stacked.shape[1:], init, stacked.dtype),
+                        value,
+                    )
         return HandlerResult(out.replace(values), result.outvals)
 
     def while_loop(
@@ -372,38 +640,52 @@ class _Reaper:
     ) -> HandlerResult:
         params = eqn.params
         in_condition = self.sows(params["cond_jaxpr"])
-        for sow_eqn in [*in_condition, *self.sows(params["body_jaxpr"])]:
-            name, mode = sow_eqn.params["name"], sow_eqn.params["mode"]
+        in_loop = [*in_condition, *self.sows(params["body_jaxpr"])]
+        inits = {}
+        for sow_eqn in in_loop:
+            path, mode = _path_of(sow_eqn), sow_eqn.params["mode"]
             where = f"at {source_line(sow_eqn)}, inside the while_loop at {source_line(eqn)}"
             if mode == "append":
                 raise ValueError(
-                    f"{self.label(name)} is sown with mode='append' {where}. A while loop "
+                    f"{self.label(path)} is sown with mode='append' {where}. A while loop "
                     f"has no static number of iterations to stack along: use a scan "
                     f"(or fori_loop with static bounds), or mode='clobber' for the last "
                     f"value."
                 )
             if mode == "strict":
                 raise ValueError(
-                    f"{self.label(name)} is sown with mode='strict' {where}, so it would be "
+                    f"{self.label(path)} is sown with mode='strict' {where}, so it would be "
                     f"sown once per iteration. Use mode='clobber' for the last value (and "
-                    f"sow an initial value before the loop)."
+                    f"sow an initial value before the loop, or give the sow init=)."
                 )
-            if name not in ctx.values:
-                raise ValueError(
-                    f"{self.label(name)} is first sown {where}. The loop may run zero "
-                    f"times, and then the name would have no value; kups does not invent "
-                    f"one. Sow an initial value with mode='clobber' before the loop."
-                )
+            if path not in ctx.values:
+                init = _init_of(self.tag, path, in_loop)
+                if init is None:
+                    raise ValueError(
+                        f"{self.label(path)} is first sown {where}. The loop may run zero "
+                        f"times, and then the name would have no value; kups does not invent "
+                        f"one. Sow an initial value with mode='clobber' before the loop, or "
+                        f"say what a zero-trip loop yields with "
+                        f"sow(..., mode='clobber', init=<number>)."
+                    )
+                inits[path] = init
 
-        def initializer(ctx_before: Any, sentinel: Any) -> Any:
-            del ctx_before, sentinel
-            names = sorted({e.params["name"] for e in self.sows(params["body_jaxpr"])})
-            raise ValueError(
-                f"kups.harvest: the while_loop at {source_line(eqn)} sows {names} (tag "
-                f"{self.tag!r}) with a shape or dtype other than the value sown before "
-                f"the loop. A while loop carries these values, so each sow must keep the "
-                f"shape and dtype of the first one."
-            )
+        def initializer(ctx_before: _Reaped, sentinel: _Reaped) -> _Reaped:
+            new = [path for path in sentinel.values if path not in ctx_before.values]
+            if not new:
+                names = sorted({_show(_path_of(e)) for e in in_loop})
+                raise ValueError(
+                    f"kups.harvest: the while_loop at {source_line(eqn)} sows {names} (tag "
+                    f"{self.tag!r}) with a shape or dtype other than the value sown before "
+                    f"the loop. A while loop carries these values, so each sow must keep the "
+                    f"shape and dtype of the first one."
+                )
+            values = dict(sentinel.values)
+            for path in new:
+                values[path] = jax.tree.map(
+                    functools.partial(_filled, inits[path]), sentinel.values[path]
+                )
+            return sentinel.replace(values)
 
         return default_while_handler(
             interpreter,
@@ -418,15 +700,15 @@ class _Reaper:
         self, interpreter: Interpreter, ctx: _Reaped, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
         branches = eqn.params["branches"]
-        sown = [{e.params["name"]: e for e in self.sows(branch)} for branch in branches]
-        new_names = sorted({name for names in sown for name in names} - set(ctx.values))
-        for name in new_names:
-            with_it = [i for i, names in enumerate(sown) if name in names]
-            without = [i for i, names in enumerate(sown) if name not in names]
+        sown = [{_path_of(e): e for e in self.sows(branch)} for branch in branches]
+        new_paths = sorted({path for paths in sown for path in paths} - set(ctx.values))
+        for path in new_paths:
+            with_it = [i for i, paths in enumerate(sown) if path in paths]
+            without = [i for i, paths in enumerate(sown) if path not in paths]
             if without:
-                where = ", ".join(f"{i} (at {source_line(sown[i][name])})" for i in with_it)
+                where = ", ".join(f"{i} (at {source_line(sown[i][path])})" for i in with_it)
                 raise ValueError(
-                    f"{self.label(name)} is sown in branch {where} of the cond/switch at "
+                    f"{self.label(path)} is sown in branch {where} of the cond/switch at "
                     f"{source_line(eqn)} but not in branch {', '.join(map(str, without))} (the "
                     f"branches of lax.cond are 0: false_fun, 1: true_fun). The "
                     f"taken branch's value is reaped, so when a branch that does not sow "
@@ -440,22 +722,22 @@ class _Reaper:
         self, interpreter: Interpreter, ctx: _Reaped, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
         _, manual_axes = shard_map_axes(eqn)
-        inside = {e.params["name"] for e in self.sows(eqn.params["jaxpr"])}
+        inside = {_path_of(e) for e in self.sows(eqn.params["jaxpr"])}
 
         def per_shard(ctx: _Reaped) -> _Reaped:
             # Each shard's value becomes its entry along a new leading axis.
             return ctx.replace(
                 {
-                    name: jax.tree.map(lambda leaf: leaf[None], value) if name in inside else value
-                    for name, value in ctx.values.items()
+                    path: jax.tree.map(lambda leaf: leaf[None], value) if path in inside else value
+                    for path, value in ctx.values.items()
                 }
             )
 
         def out_specs(ctx_tree: _Reaped) -> _Reaped:
             return ctx_tree.replace(
                 {
-                    name: _specs_like(value, (manual_axes,) if name in inside else ())
-                    for name, value in ctx_tree.values.items()
+                    path: _specs_like(value, (manual_axes,) if path in inside else ())
+                    for path, value in ctx_tree.values.items()
                 }
             )
 
@@ -464,25 +746,42 @@ class _Reaper:
         )
 
 
-def reap(fn: Callable[..., Any], *, tag: str) -> Callable[..., tuple[Any, dict[str, Any]]]:
+def reap(
+    fn: Callable[..., Any],
+    *,
+    tag: str,
+    allowlist: Iterable[str | tuple[str, ...]] | None = None,
+    blocklist: Iterable[str | tuple[str, ...]] | None = None,
+    exclusive: bool = False,
+) -> Callable[..., tuple[Any, dict[str, Any]]]:
     """Wraps `fn` so that it also returns the values it sows under `tag`.
 
-    Sows of other tags are left in the program (an enclosing `reap` of their
-    tag sees them); sows of `tag` are consumed. See the module documentation for
-    what `scan`, `while_loop`, `cond` and `shard_map` do to sown values, and
-    `sow` for the modes.
+    Sows of other tags, and sows that `allowlist`/`blocklist` leave out, stay in
+    the program as they are (an enclosing `reap` or `plant` sees them); the sows
+    `reap` takes are consumed. See the module documentation for what `scan`,
+    `while_loop`, `cond` and `shard_map` do to sown values, and `sow` for the
+    modes.
 
     **Arguments:**
 
     - `fn`: the function to run. Its arguments that are not arrays are static,
       as in equinox's filter transformations.
     - `tag`: which sows to collect.
+    - `allowlist`: if given, an iterable of names: only these are collected. An
+      entry is a name as it appears in the result: a top-level name, or a
+      `nest` scope (all the names in it); a tuple `("scope", "name")` picks a
+      name inside a scope.
+    - `blocklist`: an iterable of names (as for `allowlist`) not to collect.
+      A name in both lists is an error.
+    - `exclusive`: if `True`, sows of other tags are removed while `fn` runs,
+      so no enclosing `reap` or `plant` sees them.
 
     **Returns:**
 
     `wrapped(*args, **kwargs) -> (out, sown)`, where `out` is `fn(*args,
-    **kwargs)` and `sown` a `dict` from each name sown under `tag` to its value.
-    `wrapped` can be jitted, vmapped and differentiated.
+    **kwargs)` and `sown` a `dict` from each name sown under `tag` to its value
+    (names sown inside `nest(..., scope=s)` under `sown[s]`, a `dict` of
+    them). `wrapped` can be jitted, vmapped and differentiated.
 
     !!! Example
 
@@ -496,6 +795,7 @@ def reap(fn: Callable[..., Any], *, tag: str) -> Callable[..., tuple[Any, dict[s
             def step(total, x):
                 total = total + x
                 sow(total, tag="trace", name="running_total", mode="append")
+                sow(x * x, tag="trace", name="square", mode="append")
                 return total, None
 
             total, _ = jax.lax.scan(step, 0.0, xs)
@@ -504,18 +804,20 @@ def reap(fn: Callable[..., Any], *, tag: str) -> Callable[..., tuple[Any, dict[s
 
         total, sown = jax.jit(reap(f, tag="trace"))(jnp.arange(4.0))
         assert jnp.allclose(sown["running_total"], jnp.array([0.0, 1.0, 3.0, 6.0]))
+        _, only_totals = reap(f, tag="trace", allowlist=["running_total"])(jnp.arange(4.0))
+        assert list(only_totals) == ["running_total"]
         ```
     """
-    _check_name("tag", tag)
+    selection = _Selection.of("reap", tag, allowlist, blocklist, exclusive)
     if not callable(fn):
         raise TypeError(f"reap(fn, tag=...) needs a callable fn, got {type(fn).__name__}.")
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-        reaper = _Reaper(tag)
-        out, ctx = reinterpret(fn, reaper.interpreter())(_Reaped(tag, {}, {}), *args, **kwargs)
-        # A sown constant reaches the handler as a Python scalar: return arrays.
-        return out, jax.tree.map(jnp.asarray, ctx.values)
+        reaper = _Reaper(selection)
+        interpreter = reaper.interpreter("reap")
+        out, ctx = reinterpret(fn, interpreter)(_Reaped(tag, {}, {}), *args, **kwargs)
+        return out, reaper.result(ctx)
 
     return wrapped
 
@@ -524,49 +826,80 @@ def reap(fn: Callable[..., Any], *, tag: str) -> Callable[..., tuple[Any, dict[s
 
 
 class _Planter:
-    """The handlers of one `plant` call (one tag), and the names it saw sown."""
+    """The handlers of one `plant` call (one tag), and the names it saw sown.
 
-    def __init__(self, tag: str):
-        self.tag = tag
-        self.seen: set[str] = set()
+    With `consume`, a planted sow is removed from the program (as `harvest`
+    does) instead of being bound again on the planted value."""
+
+    def __init__(self, selection: _Selection, *, consume: bool = False):
+        self.selection = selection
+        self.tag = selection.tag
+        self.consume = consume
+        self.seen: set[Path] = set()  # the paths of the sows it acts on
+        self.left_out: set[Path] = set()  # sows of its tag that allowlist/blocklist leave out
 
     def planted_sows(self, ctx: _Planted, jaxpr: Jaxpr | ClosedJaxpr) -> list[JaxprEqn]:
         return [
             eqn
             for eqn in _sows_in(jaxpr)
-            if eqn.params["tag"] == self.tag and eqn.params["name"] in ctx.values
+            if self.selection.selects(eqn)
+            and _lookup(self.tag, ctx.values, _path_of(eqn), eqn) is not _MISSING
         ]
 
-    def interpreter(self) -> Interpreter:
+    def interpreter(self, caller: str) -> Interpreter:
         dispatcher = default_dispatcher()
         dispatcher.register_handler(_sow_p, self.sow)
         dispatcher.register_handler("scan", self.scan)
         dispatcher.register_handler("while", self.while_loop)
         dispatcher.register_handler("shard_map", self.shard_map)
-        return Interpreter(dispatcher, label=f"kups.harvest.plant(tag={self.tag!r})")
+        return Interpreter(dispatcher, label=f"kups.harvest.{caller}({self.selection})")
+
+    def check_all_used(self, caller: str, values: Mapping[str, Any]) -> None:
+        unused = sorted(_unused(values, self.seen))
+        if not unused:
+            return
+        left_out = [
+            _show(path)
+            for path in unused
+            if any(sown[: len(path)] == path for sown in self.left_out)
+        ]
+        note = (
+            f" The function sows {left_out}, but allowlist/blocklist leave them out."
+            if left_out
+            else ""
+        )
+        raise ValueError(
+            f"kups.harvest: {caller}(tag={self.tag!r}) was given {[_show(p) for p in unused]}, "
+            f"which the function never sows under tag {self.tag!r}.{note} The names it sows "
+            f"under that tag are: {sorted(map(_show, self.seen)) or 'none'}."
+        )
 
     def sow(
         self, interpreter: Interpreter, ctx: _Planted, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
-        params = eqn.params
-        name = params["name"]
-        if params["tag"] != self.tag:
+        path = _path_of(eqn)
+        untaken = _untaken(self.selection, interpreter, ctx, eqn, invals)
+        if untaken is not None:
+            if eqn.params["tag"] == self.tag:
+                self.left_out.add(path)
+            return untaken
+        self.seen.add(path)
+        value = _lookup(self.tag, ctx.values, path, eqn)
+        if value is _MISSING:
             return default_primitive_handler(interpreter, ctx, eqn, invals)
-        self.seen.add(name)
-        if name not in ctx.values:
-            return default_primitive_handler(interpreter, ctx, eqn, invals)
-        value = ctx.values[name]
-        for op in ctx.pending[name]:
+        for op in ctx.ops(path):
             value = jax.tree.map(functools.partial(_entry, ctx, op), value)
         leaves = _planted_leaves(self.tag, eqn, value, invals)
+        if self.consume:
+            return HandlerResult(ctx, leaves)
         # Bound again on the planted value: an enclosing reap of this tag sees it.
-        return HandlerResult(ctx, list(_sow_p.bind(*leaves, **params)))
+        return HandlerResult(ctx, list(_sow_p.bind(*leaves, **eqn.params)))
 
     def scan(
         self, interpreter: Interpreter, ctx: _Planted, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
         appended = {
-            e.params["name"]
+            _path_of(e)
             for e in self.planted_sows(ctx, eqn.params["jaxpr"])
             if e.params["mode"] == "append"
         }
@@ -574,12 +907,12 @@ class _Planter:
             return default_scan_handler(interpreter, ctx, eqn, invals)
         length, reverse = eqn.params["length"], eqn.params["reverse"]
         level = len(ctx.loops)
-        for name in sorted(appended):
-            _check_axis(self.tag, name, ctx, length, f"the scan at {source_line(eqn)}")
+        for path in sorted(appended):
+            _check_axis(self.tag, path, ctx, length, f"the scan at {source_line(eqn)}", eqn)
         inner = ctx.replace(
             pending={
-                name: (*ops, level) if name in appended else ops
-                for name, ops in ctx.pending.items()
+                **ctx.pending,
+                **{path: (*ctx.ops(path), level) for path in appended},
             },
             loops=(*ctx.loops, (length, reverse)),
             counters=(*ctx.counters, jnp.zeros((), jnp.int32)),
@@ -602,10 +935,10 @@ class _Planter:
         for sow_eqn in self.planted_sows(ctx, params["body_jaxpr"]):
             if sow_eqn.params["mode"] == "append":
                 raise ValueError(
-                    f"kups.harvest: name {sow_eqn.params['name']!r} of tag {self.tag!r} is "
-                    f"planted and sown with mode='append' at {source_line(sow_eqn)}, inside the "
-                    f"while_loop at {source_line(eqn)}: a while loop has no iterations to align "
-                    f"a planted stack with. Use a scan, or mode='clobber'."
+                    f"{_describe(self.tag, _path_of(sow_eqn))} is planted and sown with "
+                    f"mode='append' at {source_line(sow_eqn)}, inside the while_loop at "
+                    f"{source_line(eqn)}: a while loop has no iterations to align a planted "
+                    f"stack with. Use a scan, or mode='clobber'."
                 )
         in_condition = bool(self.planted_sows(ctx, params["cond_jaxpr"]))
         return default_while_handler(interpreter, ctx, eqn, invals, thread_condition=in_condition)
@@ -614,9 +947,9 @@ class _Planter:
         self, interpreter: Interpreter, ctx: _Planted, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
         mesh, manual_axes = shard_map_axes(eqn)
-        sows: dict[str, list[JaxprEqn]] = {}
+        sows: dict[Path, list[JaxprEqn]] = {}
         for sow_eqn in self.planted_sows(ctx, eqn.params["jaxpr"]):
-            sows.setdefault(sow_eqn.params["name"], []).append(sow_eqn)
+            sows.setdefault(_path_of(sow_eqn), []).append(sow_eqn)
         if not sows:
             return default_shard_map_handler(interpreter, ctx, eqn, invals)
         num_shards = math.prod(mesh.shape[axis] for axis in manual_axes)
@@ -627,24 +960,21 @@ class _Planter:
         # axes over which the sown value varies. Along the others the program
         # keeps the value replicated, so every shard receives the entry at index
         # 0 (a varying value there would break the program's replication).
-        values, specs, pending = dict(ctx.values), {}, dict(ctx.pending)
-        for name, value in ctx.values.items():
-            if name not in sows:
-                specs[name] = jax.tree.map(lambda _: PartitionSpec(), value)
-                continue
-            _check_axis(self.tag, name, ctx, num_shards, where)
-            axis = _pending_axes(ctx.pending[name])
-            varying = _varying_axes(sows[name], value, manual_axes, eqn.params["check_vma"])
-            values[name] = jax.tree.map(
-                functools.partial(
-                    _split_axis, axis=axis, sizes=[mesh.shape[a] for a in manual_axes]
-                ),
-                value,
+        values: Any = ctx.values
+        specs: Any = jax.tree.map(lambda _: PartitionSpec(), ctx.values)
+        pending = dict(ctx.pending)
+        for path, path_sows in sorted(sows.items()):
+            _check_axis(self.tag, path, ctx, num_shards, where, path_sows[0])
+            value = _lookup(self.tag, ctx.values, path, path_sows[0])
+            axis = _pending_axes(ctx.ops(path))
+            varying = _varying_axes(path_sows, value, manual_axes, eqn.params["check_vma"])
+            split = functools.partial(
+                _split_axis, axis=axis, sizes=[mesh.shape[a] for a in manual_axes]
             )
-            specs[name] = jax.tree.map(
-                functools.partial(_shard_spec, axis=axis, manual_axes=manual_axes), value, varying
-            )
-            pending[name] = (*ctx.pending[name], (_SHARD, len(manual_axes)))
+            values = _replace_at(values, path, jax.tree.map(split, value))
+            spec = functools.partial(_shard_spec, axis=axis, manual_axes=manual_axes)
+            specs = _replace_at(specs, path, jax.tree.map(spec, value, varying))
+            pending[path] = (*ctx.ops(path), (_SHARD, len(manual_axes)))
 
         def declare_specs(ctx_tree: _Planted) -> _Planted:
             return ctx_tree.replace(
@@ -696,16 +1026,17 @@ def _varying_axes(
     return jax.tree.unflatten(treedef, per_leaf)
 
 
-def _check_axis(tag: str, name: str, ctx: _Planted, size: int, where: str) -> None:
-    """The planted value of `name` has `size` entries along its next pending axis."""
-    axis = _pending_axes(ctx.pending[name])
-    for leaf in jax.tree.leaves(ctx.values[name]):
+def _check_axis(tag: str, path: Path, ctx: _Planted, size: int, where: str, eqn: JaxprEqn) -> None:
+    """The planted value at `path` has `size` entries along its next pending axis."""
+    axis = _pending_axes(ctx.ops(path))
+    for leaf in jax.tree.leaves(_lookup(tag, ctx.values, path, eqn)):
         shape = jnp.shape(leaf)
         if len(shape) <= axis or shape[axis] != size:
+            scope = f" in scope {_show(path[:-1])!r}" if len(path) > 1 else ""
             raise ValueError(
-                f"kups.harvest: the value planted for name {name!r} of tag {tag!r} has shape "
-                f"{shape}, but {where} needs {size} entries along its axis {axis} (one per "
-                f"iteration or shard, as reap returns it)."
+                f"kups.harvest: the value planted for name {path[-1]!r}{scope} of tag {tag!r} "
+                f"has shape {shape}, but {where} needs {size} entries along its axis {axis} (one "
+                f"per iteration or shard, as reap returns it)."
             )
 
 
@@ -736,8 +1067,10 @@ def _planted_leaves(tag: str, eqn: JaxprEqn, value: Any, invals: list[Any]) -> l
     sown = jax.tree.unflatten(params["tree"], invals)
 
     def mismatch(detail: str) -> ValueError:
+        path = _path_of(eqn)
+        scope = f" in scope {_show(path[:-1])!r}" if len(path) > 1 else ""
         return ValueError(
-            f"kups.harvest: the value planted for name {params['name']!r} of tag {tag!r} "
+            f"kups.harvest: the value planted for name {params['name']!r}{scope} of tag {tag!r} "
             f"does not fit the sow at {source_line(eqn)}: {detail}. Plant a value of the form "
             f"reap returns for this name."
         )
@@ -760,7 +1093,38 @@ def _planted_leaves(tag: str, eqn: JaxprEqn, value: Any, invals: list[Any]) -> l
     return out
 
 
-def plant(fn: Callable[..., Any], *, tag: str) -> Callable[..., Any]:
+def _check_values(caller: str, tag: str, values: Any) -> None:
+    if not isinstance(values, Mapping) or not all(isinstance(k, str) for k in values):
+        raise TypeError(
+            f"{caller}(fn, tag={tag!r}) is called as wrapped(values, *args), with values a "
+            f"dict from sown names to values; got {type(values).__name__}: {values!r}."
+        )
+
+
+def _planted_call(
+    fn: Callable[..., Any],
+    selection: _Selection,
+    caller: str,
+    consume: bool,
+    values: Mapping[str, Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    planter = _Planter(selection, consume=consume)
+    ctx = _Planted(selection.tag, values, {}, (), ())
+    out, _ = reinterpret(fn, planter.interpreter(caller))(ctx, *args, **kwargs)
+    planter.check_all_used(caller, values)
+    return out
+
+
+def plant(
+    fn: Callable[..., Any],
+    *,
+    tag: str,
+    allowlist: Iterable[str | tuple[str, ...]] | None = None,
+    blocklist: Iterable[str | tuple[str, ...]] | None = None,
+    exclusive: bool = False,
+) -> Callable[..., Any]:
     """Wraps `fn` so that the values it sows under `tag` are replaced by given ones.
 
     Every sow of a planted name returns the planted value instead of its own;
@@ -769,7 +1133,8 @@ def plant(fn: Callable[..., Any], *, tag: str) -> Callable[..., Any]:
     the stack whose entry `i` iteration `i` receives; for a name sown inside a
     `shard_map`, one entry per shard (along manual axes over which the program
     keeps the sown value replicated, such as after a `psum`, every shard
-    receives the entry at index 0 of those axes, which keeps it replicated).
+    receives the entry at index 0 of those axes, which keeps it replicated);
+    for names sown inside `nest(..., scope=s)`, a `dict` of them under `s`.
     Planted sows stay in the program with the planted value, so an enclosing
     `reap` of the same tag sees what was planted.
 
@@ -777,13 +1142,18 @@ def plant(fn: Callable[..., Any], *, tag: str) -> Callable[..., Any]:
 
     - `fn`: the function to run. Its arguments that are not arrays are static.
     - `tag`: which sows to replace.
+    - `allowlist`, `blocklist`: which names to replace, as for `reap`. Sows
+      they leave out keep their values and stay in the program.
+    - `exclusive`: if `True`, sows of other tags are removed while `fn` runs,
+      so no enclosing `reap` or `plant` sees them.
 
     **Returns:**
 
     `wrapped(values, *args, **kwargs) -> out`, where `values` is a `dict` from
-    names to values. Planting a name that `fn` never sows under `tag` is a
-    `ValueError` that lists the names it sows. `wrapped` can be jitted,
-    vmapped and differentiated (also with respect to `values`).
+    names to values. Planting a name that `fn` never sows under `tag` (or that
+    `allowlist`/`blocklist` leave out) is a `ValueError` that lists the names
+    it sows. `wrapped` can be jitted, vmapped and differentiated (also with
+    respect to `values`).
 
     !!! Example
 
@@ -801,27 +1171,149 @@ def plant(fn: Callable[..., Any], *, tag: str) -> Callable[..., Any]:
         assert jnp.allclose(out, 6.0)
         ```
     """
-    _check_name("tag", tag)
+    selection = _Selection.of("plant", tag, allowlist, blocklist, exclusive)
     if not callable(fn):
         raise TypeError(f"plant(fn, tag=...) needs a callable fn, got {type(fn).__name__}.")
 
     @functools.wraps(fn)
     def wrapped(values: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(values, Mapping) or not all(isinstance(k, str) for k in values):
-            raise TypeError(
-                f"plant(fn, tag={tag!r}) is called as wrapped(values, *args), with values a "
-                f"dict from sown names to values; got {type(values).__name__}: {values!r}."
-            )
-        planter = _Planter(tag)
-        ctx = _Planted(tag, values, {}, (), ())
-        out, _ = reinterpret(fn, planter.interpreter())(ctx, *args, **kwargs)
-        unknown = sorted(set(values) - set(planter.seen))
-        if unknown:
-            raise ValueError(
-                f"kups.harvest: plant(tag={tag!r}) was given {unknown}, which the function "
-                f"never sows under tag {tag!r}. The names it sows under that tag are: "
-                f"{sorted(planter.seen) or 'none'}."
-            )
+        _check_values("plant", tag, values)
+        return _planted_call(fn, selection, "plant", False, values, *args, **kwargs)
+
+    return wrapped
+
+
+# ---------------------------------------------------------------- harvest
+
+
+def harvest(
+    fn: Callable[..., Any],
+    *,
+    tag: str,
+    allowlist: Iterable[str | tuple[str, ...]] | None = None,
+    blocklist: Iterable[str | tuple[str, ...]] | None = None,
+    exclusive: bool = False,
+) -> Callable[..., tuple[Any, dict[str, Any]]]:
+    """Wraps `fn` so that it plants given values and reaps the others, in one call.
+
+    As in Oryx, the sows of `tag` are split in two: those whose names are in
+    `values` are planted (the program sees the planted value), all the others
+    are reaped. A planted name is therefore not in the reaped `dict`: its value
+    is the one you passed (`{**values, **reaped}` holds every name). Every sow
+    `harvest` acts on is consumed: an enclosing `reap` or `plant` of the same tag
+    sees none of them. `harvest(fn, tag=t)({}, *args)` is `reap(fn, tag=t)(*args)`.
+
+    **Arguments:**
+
+    - `fn`: the function to run. Its arguments that are not arrays are static.
+    - `tag`: which sows to act on.
+    - `allowlist`, `blocklist`, `exclusive`: as for `reap`; they apply to
+      planting and reaping alike.
+
+    **Returns:**
+
+    `wrapped(values, *args, **kwargs) -> (out, reaped)`, with `values` as for
+    `plant` and `reaped` as `reap` returns it. `fn` is traced once. `wrapped`
+    can be jitted, vmapped and differentiated.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        from kups.harvest import harvest, sow
+
+
+        def f(x):
+            y = sow(x + 1.0, tag="intermediate", name="y")
+            z = sow(y * 2.0, tag="intermediate", name="z")
+            return z + 1.0
+
+
+        out, reaped = harvest(f, tag="intermediate")({"y": 0.0}, 1.0)
+        assert out == 1.0 and list(reaped) == ["z"] and reaped["z"] == 0.0
+        out, reaped = harvest(f, tag="intermediate")({}, 1.0)
+        assert out == 5.0 and reaped["y"] == 2.0 and reaped["z"] == 4.0
+        ```
+    """
+    selection = _Selection.of("harvest", tag, allowlist, blocklist, exclusive)
+    if not callable(fn):
+        raise TypeError(f"harvest(fn, tag=...) needs a callable fn, got {type(fn).__name__}.")
+    planted = functools.partial(_planted_call, fn, selection, "harvest", True)
+
+    @functools.wraps(fn)
+    def wrapped(values: Mapping[str, Any], *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        _check_values("harvest", tag, values)
+        reaper = _Reaper(selection)
+        interpreter = reaper.interpreter("harvest")
+        out, ctx = reinterpret(planted, interpreter)(_Reaped(tag, {}, {}), values, *args, **kwargs)
+        return out, reaper.result(ctx)
+
+    return wrapped
+
+
+# ---------------------------------------------------------------- nest
+
+
+def nest(fn: Callable[..., Any], *, scope: str) -> Callable[..., Any]:
+    """Wraps `fn` so that the names it sows (of every tag) live in `scope`.
+
+    `reap` returns them as `reaped[scope][name]` and `plant` takes them as
+    `values[scope][name]`, so two calls of one function can sow the same names
+    without clashing. Nesting composes: `nest(nest(f, scope="a"), scope="b")`
+    sows into `reaped["b"]["a"]`. Outside `reap`/`plant`, the wrapped function
+    is `fn`; it works through every control-flow primitive like `sow` itself.
+
+    **Arguments:**
+
+    - `fn`: the function whose sows to scope. Its arguments that are not arrays
+      are static.
+    - `scope`: a non-empty string, the key of the scope in the result. It must
+      not also be a name sown next to it.
+
+    **Returns:**
+
+    `wrapped(*args, **kwargs) -> out`, the same output as `fn`.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        from kups.harvest import nest, plant, reap, sow
+
+
+        def layer(x):
+            return sow(jnp.tanh(x), tag="activations", name="out")
+
+
+        def model(x):
+            return nest(layer, scope="second")(nest(layer, scope="first")(x))
+
+
+        out, sown = reap(model, tag="activations")(0.5)
+        assert sown["first"]["out"] == jnp.tanh(0.5)
+        assert sown["second"]["out"] == out
+        assert plant(model, tag="activations")({"second": {"out": 7.0}}, 0.5) == 7.0
+        ```
+    """
+    if not isinstance(scope, str) or not scope:
+        raise TypeError(f"nest(fn, scope=...) needs a non-empty string scope, got {scope!r}.")
+    if not callable(fn):
+        raise TypeError(f"nest(fn, scope=...) needs a callable fn, got {type(fn).__name__}.")
+
+    def rescope(
+        interpreter: Interpreter, ctx: Any, eqn: JaxprEqn, invals: list[Any]
+    ) -> HandlerResult:
+        del interpreter
+        params = eqn.params
+        return HandlerResult(
+            ctx, list(_sow_p.bind(*invals, **{**params, "scope": (scope, *params["scope"])}))
+        )
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        dispatcher = default_dispatcher().register_handler(_sow_p, rescope)
+        interpreter = Interpreter(dispatcher, label=f"kups.harvest.nest(scope={scope!r})")
+        out, _ = reinterpret(fn, interpreter)((), *args, **kwargs)
         return out
 
     return wrapped
