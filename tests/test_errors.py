@@ -639,7 +639,7 @@ def user_fmt_named(x):
     [
         (user_float_predicate, "CHECK_FLOAT", TypeError, ["float32[]", "x > 0"]),
         (user_array_predicate, "CHECK_ARRAY", ValueError, ["bool[8]", "jnp.all"]),
-        (user_fmt_mismatch, "CHECK_FMT", ValueError, ["argument 1", "one positional argument"]),
+        (user_fmt_mismatch, "CHECK_FMT", ValueError, ["argument 1", "fmt_args"]),
         (user_fmt_named, "CHECK_NAMED", ValueError, ["{value}", "{}"]),
     ],
     ids=["float_predicate", "array_predicate", "fmt_mismatch", "fmt_named_field"],

@@ -34,3 +34,17 @@ def is_staging() -> bool:
     """Whether the current trace stages a jaxpr (`jax.jit`, `make_jaxpr`, a control
     flow body) rather than evaluating eagerly or differentiating concrete values."""
     return isinstance(_core.trace_ctx.trace, _pe.DynamicJaxprTrace)
+
+
+def adopt_debug_info(fn: Callable[..., Any], debug_info: Any) -> None:
+    """Makes JAX describe `fn` (in jaxprs and error messages) by `debug_info`, the
+    `DebugInfo` of the user's function `fn` stands in for, without its argument
+    names and result paths (which belong to the user's signature, not `fn`'s).
+
+    `jax._src.api_util.debug_info` reads the `__fun_debug_info__` attribute first
+    (JAX 0.10 to 0.12); elsewhere `fn` keeps only the user's name.
+    """
+    replace = getattr(debug_info, "_replace", None)
+    fields = getattr(debug_info, "_fields", ())
+    if replace is not None and {"arg_names", "result_paths"} <= set(fields):
+        fn.__fun_debug_info__ = replace(arg_names=None, result_paths=None)  # pyright: ignore[reportFunctionMemberAccess]

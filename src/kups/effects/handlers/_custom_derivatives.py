@@ -1,8 +1,18 @@
 """`custom_jvp` and `custom_vjp`: the primal body is interpreted, the user's
-derivative rules still give the derivatives."""
+derivative rules still give the derivatives.
+
+The context is threaded through a `jax.custom_jvp` / `jax.custom_vjp` of kups'
+own, declared with `symbolic_zeros=True` so that it knows which inputs are
+perturbed: the user's rules are differentiated with respect to those only, and
+so see `.perturbed` (and symbolic zero tangents) as plain JAX would give them.
+The re-staged equation keeps the names (and source lines) of the user's
+function and rules.
+"""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -12,8 +22,11 @@ from jax.extend.core import JaxprEqn
 
 from .. import _compat
 from .._body import TracedBody, trace_interpreted
+from .._compat_traceback import adopt_debug_info
 from .._context import split
 from .._types import HandlerResult
+
+_SymbolicZero = _compat.symbolic_zero_type()
 
 
 def _zero_tangent(aval: Any) -> Any:
@@ -27,7 +40,7 @@ def _zero_tangent(aval: Any) -> Any:
     return np.zeros(aval.shape, jax.dtypes.float0)
 
 
-def _original(eqn: JaxprEqn) -> Any:
+def _original(eqn: JaxprEqn) -> Callable[..., list[Any]]:
     def call(*args: Any) -> list[Any]:
         return _compat.bind_equation(eqn.primitive, eqn.params, args)
 
@@ -39,32 +52,108 @@ def _traced(interpreter: Any, ctx: Any, eqn: JaxprEqn, name: str) -> tuple[Trace
     return trace_interpreted(interpreter, eqn.params["call_jaxpr"], spec, name=name), ctx_values
 
 
+def _debug_info(eqn: JaxprEqn, param: str) -> Any:
+    """The `DebugInfo` of the user's function (`call_jaxpr`) or of one of its rules
+    (`jvp_jaxpr_fun`, `fwd_jaxpr_thunk`, `bwd`), or `None`."""
+    value = eqn.params.get(param)
+    if value is None:
+        return None
+    if param == "call_jaxpr":  # a ClosedJaxpr before JAX 0.11, an open Jaxpr from 0.11
+        value, _ = _compat.open_jaxpr(value)
+    return getattr(value, "debug_info", None)
+
+
+def _named_like(fn: Callable[..., Any], debug_info: Any) -> Callable[..., Any]:
+    """`fn`, named (and located) as the user's function that `debug_info` describes."""
+    name = getattr(debug_info, "func_name", None)
+    if isinstance(name, str) and name:
+        fn.__name__ = fn.__qualname__ = name
+        adopt_debug_info(fn, debug_info)
+    return fn
+
+
+def _split_perturbed(
+    values: Sequence[Any], perturbed: Sequence[bool]
+) -> tuple[list[Any], Callable[[Sequence[Any]], list[Any]]]:
+    """The perturbed `values`, and how to put new perturbed values back among the
+    others."""
+    chosen = [v for v, p in zip(values, perturbed, strict=True) if p]
+
+    def merge(new: Sequence[Any]) -> list[Any]:
+        new_iter = iter(new)
+        return [next(new_iter) if p else v for v, p in zip(values, perturbed, strict=True)]
+
+    return chosen, merge
+
+
 def default_custom_jvp_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:
     """Interprets the primal body of a `jax.custom_jvp` function with the context.
 
     Derivatives still come from the user's custom JVP rule, applied to the
-    original function; the context carries no tangent (its tangents are zero).
+    original function and to the perturbed inputs only (a rule declared with
+    `symbolic_zeros=True` sees the others' tangents as symbolic zeros, as in plain
+    JAX); the context carries no tangent (its tangents are zero).
     """
     body, ctx_values = _traced(interpreter, ctx, eqn, "custom_jvp")
     original = _original(eqn)
 
-    @jax.custom_jvp
     def primal(ctx_values: list[Any], args: list[Any]) -> tuple[list[Any], list[Any]]:
         return body.call(ctx_values, args)
 
-    @primal.defjvp
     def primal_jvp(primals: Any, tangents: Any) -> Any:
         ctx_values, args = primals
         _, arg_tangents = tangents
         ctx_out, outs = body.call(ctx_values, args)
-        _, out_tangents = jax.jvp(original, tuple(args), tuple(arg_tangents))
+        perturbed = [not isinstance(t, _SymbolicZero) for t in arg_tangents]
+        diff_args, merge = _split_perturbed(args, perturbed)
+        diff_tangents, _ = _split_perturbed(arg_tangents, perturbed)
+
+        def of_perturbed(*diff_args: Any) -> list[Any]:
+            return original(*merge(diff_args))
+
+        _, out_tangents = jax.jvp(of_perturbed, tuple(diff_args), tuple(diff_tangents))
         ctx_tangents = [_zero_tangent(a) for a in body.ctx_out.avals]
         return (ctx_out, outs), (ctx_tangents, list(out_tangents))
 
-    ctx_out, outs = primal(ctx_values, list(invals))
+    primal = _named_like(primal, _debug_info(eqn, "call_jaxpr"))
+    wrapped = jax.custom_jvp(primal)
+    wrapped.defjvp(_named_like(primal_jvp, _debug_info(eqn, "jvp_jaxpr_fun")), symbolic_zeros=True)
+    ctx_out, outs = wrapped(ctx_values, list(invals))
     return HandlerResult(body.ctx_out.unflatten(ctx_out), list(outs))
+
+
+def _pull(
+    perturbed: tuple[bool, ...], out_avals: tuple[Any, ...], pullback: Any, cotangents: Any
+) -> list[Any]:
+    """Cotangents of the inputs of a custom_vjp function: the user's `bwd` (through
+    `pullback`) for the perturbed inputs, `None` (zero) for the others."""
+    cotangents = [
+        _zero_tangent(aval) if isinstance(ct, _SymbolicZero) else _as_cotangent(ct, aval)
+        for ct, aval in zip(cotangents, out_avals, strict=True)
+    ]
+    diff_cotangents = iter(pullback(cotangents))
+    return [next(diff_cotangents) if p else None for p in perturbed]
+
+
+def _as_cotangent(ct: Any, aval: Any) -> Any:
+    """`ct` as a cotangent of an output of type `aval`.
+
+    A user's `bwd` rule may return a cotangent of another floating dtype than its
+    input's (JAX accepts an f32 cotangent for a bf16 input), which then reaches
+    the pullback of the function that produced that input; `jax.vjp`'s pullbacks
+    accept only their output's dtype, so it is cast to it.
+    """
+    dtype = getattr(ct, "dtype", None)
+    if (
+        dtype is not None
+        and dtype != aval.dtype
+        and jnp.issubdtype(dtype, jnp.inexact)
+        and jnp.issubdtype(aval.dtype, jnp.inexact)
+    ):
+        return ct.astype(aval.dtype)
+    return ct
 
 
 def default_custom_vjp_handler(
@@ -73,26 +162,43 @@ def default_custom_vjp_handler(
     """Interprets the primal body of a `jax.custom_vjp` function with the context.
 
     Reverse-mode derivatives still come from the user's `fwd`/`bwd` rules, applied
-    to the original function; the context gets zero cotangents.
+    to the original function and differentiated with respect to the perturbed
+    inputs only: a rule declared with `symbolic_zeros=True` sees `.perturbed`
+    false for constants, as in plain JAX. The context gets zero cotangents.
     """
     body, ctx_values = _traced(interpreter, ctx, eqn, "custom_vjp")
     original = _original(eqn)
-    ctx_in_avals = body.ctx_in.avals
+    out_avals = tuple(v.aval for v in eqn.outvars)
+    num_ctx = len(ctx_values)
 
-    @jax.custom_vjp
     def primal(ctx_values: list[Any], args: list[Any]) -> tuple[list[Any], list[Any]]:
         return body.call(ctx_values, args)
 
     def primal_fwd(ctx_values: list[Any], args: list[Any]) -> Any:
-        ctx_out, outs = body.call(ctx_values, args)
-        _, pullback = jax.vjp(original, *args)
-        return (ctx_out, outs), pullback
+        perturbed = tuple(bool(a.perturbed) for a in args)
+        args = [a.value for a in args]
+        ctx_out, outs = body.call([c.value for c in ctx_values], args)
+        diff_args, merge = _split_perturbed(args, perturbed)
 
-    def primal_bwd(pullback: Any, cotangents: Any) -> Any:
+        def of_perturbed(*diff_args: Any) -> list[Any]:
+            return original(*merge(diff_args))
+
+        _, pullback = jax.vjp(of_perturbed, *diff_args)
+        # The pattern of perturbed inputs is static: it lives in the residual's
+        # tree structure (a Partial's function), not in traced leaves.
+        residual = jax.tree_util.Partial(functools.partial(_pull, perturbed, out_avals), pullback)
+        return (ctx_out, outs), residual
+
+    def primal_bwd(residual: Any, cotangents: Any) -> Any:
         _, out_cotangents = cotangents
-        arg_cotangents = pullback(list(out_cotangents))
-        return [_zero_tangent(a) for a in ctx_in_avals], list(arg_cotangents)
+        return [None] * num_ctx, residual(list(out_cotangents))
 
-    primal.defvjp(primal_fwd, primal_bwd)
-    ctx_out, outs = primal(ctx_values, list(invals))
+    primal = _named_like(primal, _debug_info(eqn, "call_jaxpr"))
+    wrapped = jax.custom_vjp(primal)
+    wrapped.defvjp(
+        _named_like(primal_fwd, _debug_info(eqn, "fwd_jaxpr_thunk")),
+        _named_like(primal_bwd, _debug_info(eqn, "bwd")),
+        symbolic_zeros=True,
+    )
+    ctx_out, outs = wrapped(ctx_values, list(invals))
     return HandlerResult(body.ctx_out.unflatten(ctx_out), list(outs))
