@@ -295,3 +295,134 @@ def test_identity_matches_plain_jax(kind):
     np.testing.assert_array_equal(ctx["k"], jnp.ones(2))
     grad = jax.grad(lambda x: jnp.sum(interpret({"k": jnp.ones(2)}, x)[0]))(X)
     np.testing.assert_allclose(grad, jax.grad(lambda x: jnp.sum(f(x)))(X))
+
+
+# ------------------------------------------- perturbed inputs, dtypes and names
+
+
+@jax.custom_vjp
+def scale_vjp(x, k):
+    return x * k
+
+
+def _scale_fwd(x, k):
+    # Only x is differentiated: a constant k is not perturbed, as in plain JAX.
+    assert x.perturbed and not k.perturbed
+    return x.value * k.value, k.value
+
+
+scale_vjp.defvjp(_scale_fwd, lambda k, g: (g * k, None), symbolic_zeros=True)
+
+
+def test_custom_vjp_symbolic_zeros_sees_constants_unperturbed():
+    k = jnp.float32(3.0)
+    f = lambda x: scale_vjp(x, k)  # noqa: E731
+    interpret = reinterpret(f, Interpreter(default_dispatcher()))
+    expected = jax.grad(f)(1.0)
+    assert float(expected) == 3.0
+    assert float(jax.grad(lambda x: interpret(0, x)[0])(1.0)) == 3.0
+    assert float(jax.jit(jax.grad(lambda x: interpret(0, x)[0]))(1.0)) == 3.0
+    # k perturbed too: the rule is asked for both.
+    both = lambda x, k: scale_vjp(x, k)  # noqa: E731
+    interpret_both = reinterpret(both, Interpreter(default_dispatcher()))
+    with pytest.raises(AssertionError):
+        jax.grad(lambda x, k: interpret_both(0, x, k)[0], argnums=(0, 1))(1.0, k)
+
+
+@jax.custom_jvp
+def scale_jvp(x, k):
+    return x * k
+
+
+@scale_jvp.defjvp
+def _scale_jvp_rule(primals, tangents):
+    (x, k), (tx, tk) = primals, tangents
+    assert not isinstance(tx, jax.custom_derivatives.SymbolicZero)
+    assert isinstance(tk, jax.custom_derivatives.SymbolicZero)  # k is a constant
+    return x * k, 5.0 * tx  # not k * tx: the rule must be the one used
+
+
+scale_jvp.defjvp(_scale_jvp_rule, symbolic_zeros=True)
+
+
+def test_custom_jvp_symbolic_zeros_sees_constants_as_symbolic_zeros():
+    k = jnp.float32(3.0)
+    f = lambda x: scale_jvp(x, k)  # noqa: E731
+    interpret = reinterpret(f, interpreter_with())
+    assert float(jax.grad(f)(1.0)) == 5.0
+    assert float(jax.grad(lambda x: interpret(jnp.int32(0), x)[0])(1.0)) == 5.0
+    _, tangent = jax.jvp(lambda x: interpret(jnp.int32(0), x)[0], (1.0,), (2.0,))
+    assert float(tangent) == 10.0
+
+
+def test_equinox_filter_custom_vjp_with_a_closed_over_array():
+    # equinox asserts that its non-differentiated arguments are not perturbed.
+    eqx = pytest.importorskip("equinox")
+
+    @eqx.filter_custom_vjp
+    def apply(params, x):
+        weight, _ = params
+        return weight * jnp.sin(x)
+
+    @apply.def_fwd
+    def _fwd(perturbed, params, x):
+        return apply(params, x), None
+
+    @apply.def_bwd
+    def _bwd(residuals, g, perturbed, params, x):
+        weight, _ = params
+        return (7.0 * weight * jnp.sum(g), None)  # not cos: the rule must be the one used
+
+    offset = jnp.float32(0.5)
+    f = lambda w: apply((w, offset), X)  # noqa: E731
+    interpret = reinterpret(f, interpreter_with())
+    expected = jax.grad(lambda w: jnp.sum(f(w)))(2.0)
+    np.testing.assert_allclose(expected, 7.0 * 2.0 * X.size)
+    got = jax.grad(lambda w: jnp.sum(interpret(jnp.int32(0), w)[0]))(2.0)
+    np.testing.assert_allclose(got, expected)
+
+
+@jax.custom_vjp
+def double_bf16(x):
+    return x * 2
+
+
+def _double_fwd(x):
+    return double_bf16(x), None
+
+
+def _double_bwd(_, g):
+    return (g.astype(jnp.float32) * 3,)  # an f32 cotangent for a bf16 input
+
+
+double_bf16.defvjp(_double_fwd, _double_bwd)
+
+
+def test_custom_vjp_bwd_returning_another_float_dtype():
+    def loss(x):
+        return double_bf16(double_bf16(x)).astype(jnp.float32)
+
+    x = jnp.bfloat16(1.5)
+    expected = jax.grad(loss)(x)
+    interpret = reinterpret(loss, Interpreter(default_dispatcher()))
+    got = jax.grad(lambda x: interpret(0, x)[0])(x)
+    assert float(expected) == 9.0
+    assert float(got) == float(expected) and got.dtype == expected.dtype
+
+
+def _call_jaxpr_source(eqn):
+    call_jaxpr = eqn.params["call_jaxpr"]  # ClosedJaxpr on JAX 0.10, Jaxpr on 0.11+
+    return getattr(call_jaxpr, "jaxpr", call_jaxpr).debug_info.func_src_info
+
+
+def test_interpreted_equations_keep_the_user_names():
+    interpret = reinterpret(lambda x: sin_vjp(sin_jvp(x)), interpreter_with())
+    text = str(jax.make_jaxpr(lambda x: interpret(jnp.int32(0), x)[0])(X))
+    for fragment in ["name=sin_jvp", "jvp=_sin_jvp_rule", "name=sin_vjp"]:
+        assert fragment in text, text
+    assert "fwd=_sin_vjp_fwd" in text and "bwd=_sin_vjp_bwd" in text, text
+    assert "primal" not in text, text
+    eqns = jax.make_jaxpr(lambda x: interpret(jnp.int32(0), x)[0])(X).eqns
+    sources = [_call_jaxpr_source(e) for e in eqns if e.primitive.name.startswith("custom")]
+    assert len(sources) == 2
+    assert all("test_custom_derivatives.py" in source for source in sources), sources
