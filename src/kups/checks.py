@@ -1,18 +1,24 @@
 """`check` and `checked`: runtime assertions inside jitted programs.
 
-`check(pred, msg, *fmt_args)` records a condition where it runs: inside `jit`,
-`scan`, `while_loop`, `cond`/`switch`, `jax.checkpoint`, custom derivatives and
-`shard_map`. `checked(fn)` runs `fn` under an interpreter that turns every check
-into a few array operations on an error value, which comes back beside `fn`'s
-output. Nothing is raised inside the compiled program; the first failure is
-reported afterwards, with where it happened.
+`check(pred, msg, *fmt_args, **fmt_kwargs)` records a condition where it runs:
+inside `jit`, `scan`, `while_loop`, `cond`/`switch`, `jax.checkpoint`, custom
+derivatives and `shard_map`. `checked(fn, errors=...)` runs `fn` under an
+interpreter that turns every check into a few array operations on an error
+value, which comes back beside `fn`'s output. With `errors=` it also checks the
+program's own operations: out-of-bounds indices (`index_checks`), division by
+zero (`div_checks`) and NaNs made from NaN-free inputs (`nan_checks`). Nothing
+is raised inside the compiled program; the first failure is reported afterwards,
+with where it happened.
 
 How it works: the interpreter's context is an error record with a `failed` flag
 and one slot per check site (`_Slot`): whether that site failed, the values of
 its format arguments at the failing point, the loop iterations and the shard
 coordinates. Messages and source lines stay on the Python side, in the
 context's static structure. A site's slot starts at zeros; the first failing
-check fills its slot and sets `failed`, which masks every later check.
+check fills its slot and sets `failed`, which masks every later check. A user
+check is a site by its call; an automatic check is a site by what it reports
+(kind, primitive, source line, operand shape), so that the same site is found
+when a loop body is scanned before it runs and when it runs.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ import math
 import os
 import string
 import sys
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import equinox as eqx
 import jax
@@ -40,6 +47,7 @@ from kups.effects import (
     Handler,
     HandlerResult,
     Interpreter,
+    contains_subjaxprs,
     default_cond_handler,
     default_dispatcher,
     default_primitive_handler,
@@ -49,12 +57,46 @@ from kups.effects import (
     define_effect,
     reinterpret,
     shard_map_axes,
+    source_location,
+    varying_axes,
 )
 
-__all__ = ["CheckFailed", "Error", "check", "checked"]
+__all__ = [
+    "CheckFailed",
+    "Error",
+    "all_checks",
+    "automatic_checks",
+    "check",
+    "checked",
+    "div_checks",
+    "float_checks",
+    "index_checks",
+    "nan_checks",
+    "user_checks",
+]
 
 Params = ParamSpec("Params")
 Out = TypeVar("Out")
+
+# ---------------------------------------------------------------------------
+# Which failures `checked` looks for: frozensets of check kinds, combined with |.
+# ---------------------------------------------------------------------------
+
+user_checks: frozenset[str] = frozenset({"user"})
+"""A `check(pred, ...)` whose predicate is false."""
+index_checks: frozenset[str] = frozenset({"index"})
+"""An out-of-bounds index in `gather`, `scatter*`, `dynamic_slice` or
+`dynamic_update_slice` (which JAX clamps, fills or drops without a word)."""
+div_checks: frozenset[str] = frozenset({"div"})
+"""A zero divisor in `div` or `rem` (integer or float)."""
+nan_checks: frozenset[str] = frozenset({"nan"})
+"""An operation whose output holds a NaN while none of its inputs does."""
+float_checks: frozenset[str] = nan_checks | div_checks
+"""`nan_checks | div_checks`, as in `jax.experimental.checkify`."""
+automatic_checks: frozenset[str] = float_checks | index_checks
+"""Every check `checked` adds by itself: `index_checks | div_checks | nan_checks`."""
+all_checks: frozenset[str] = automatic_checks | user_checks
+"""`automatic_checks | user_checks`."""
 
 _check_p = define_effect("kups_check")
 
@@ -87,21 +129,25 @@ class CheckFailed(Exception):
 
 
 class _Formatter(string.Formatter):
-    """`str.format` with positional fields only, every argument used, and the
-    `str` of numpy scalars for an empty format spec (`'{}'.format(np.float32(0.1))`
-    would print the float64 expansion `0.10000000149011612`)."""
+    """`str.format` with every argument used, and the `str` of numpy scalars for an
+    empty format spec (`'{}'.format(np.float32(0.1))` would print the float64
+    expansion `0.10000000149011612`)."""
 
     def get_value(self, key: int | str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-        if isinstance(key, str):
+        if isinstance(key, int):
+            if key >= len(args):
+                raise IndexError(
+                    f"the message has a field for argument {key} but only {len(args)} "
+                    f"fmt_args were given"
+                )
+            return args[key]
+        if key not in kwargs:
+            given = f" (given: {', '.join(sorted(kwargs))})" if kwargs else ""
             raise KeyError(
-                f"named field {{{key}}}: fmt_args are positional, use {{}} or {{0}} instead"
+                f"the message has a named field {{{key}}} but no keyword argument "
+                f"{key}=... was given{given}"
             )
-        if key >= len(args):
-            raise IndexError(
-                f"the message has a field for argument {key} but only {len(args)} "
-                f"fmt_args were given"
-            )
-        return args[key]
+        return kwargs[key]
 
     def check_unused_args(
         self, used_args: set[int | str], args: Sequence[Any], kwargs: Mapping[str, Any]
@@ -111,6 +157,12 @@ class _Formatter(string.Formatter):
             raise IndexError(
                 f"{len(args)} fmt_args were given but the message does not use "
                 f"argument{'s' if len(unused) > 1 else ''} {', '.join(map(str, unused))}"
+            )
+        unused_names = sorted(name for name in kwargs if name not in used_args)
+        if unused_names:
+            raise KeyError(
+                f"the message has no field for keyword argument"
+                f"{'s' if len(unused_names) > 1 else ''} {', '.join(unused_names)}"
             )
 
     def format_field(self, value: Any, format_spec: str) -> Any:
@@ -134,6 +186,7 @@ class _CheckInfo:
     is_array: tuple[bool, ...]
     statics: tuple[Any, ...]
     avals: tuple[jax.ShapeDtypeStruct, ...]
+    kind = "user"
 
     def __repr__(self) -> str:
         return f"<check {self.msg!r} at {self.location}>"
@@ -142,8 +195,32 @@ class _CheckInfo:
         """The message formatted with `arrays` for the array format arguments."""
         array_iter, static_iter = iter(arrays), iter(self.statics)
         leaves = [_scalar(next(array_iter)) if a else next(static_iter) for a in self.is_array]
-        args = jax.tree.unflatten(self.fmt_tree, leaves)
-        return _FORMATTER.format(self.msg, *args)
+        args, kwargs = jax.tree.unflatten(self.fmt_tree, leaves)
+        return _FORMATTER.format(self.msg, *args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _AutoCheck:
+    """The static part of an automatic check: what it reports and where. Compared
+    by value, so that an equation met when a loop body is scanned ahead and when it
+    runs is the same site (and equal reports of one line share a slot, which is
+    harmless: only the first failure is ever recorded)."""
+
+    kind: str
+    primitive: str
+    location: str
+    template: str  # `str.format` template with positional fields for the payload
+    payload: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype) of each value
+
+    @property
+    def avals(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        return tuple(jax.ShapeDtypeStruct(shape, np.dtype(dtype)) for shape, dtype in self.payload)
+
+    def format(self, arrays: Sequence[Any]) -> str:
+        return _FORMATTER.format(self.template, *(_scalar(a) for a in arrays))
+
+
+_Info = _CheckInfo | _AutoCheck
 
 
 def _scalar(value: Any) -> Any:
@@ -154,10 +231,10 @@ def _scalar(value: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class _Site:
-    """A check call together with the loops and shard_map axes around it where it
-    runs. One slot of the error record belongs to each site."""
+    """A check together with the loops and shard_map axes around it where it runs.
+    One slot of the error record belongs to each site."""
 
-    info: _CheckInfo
+    info: _Info
     num_loops: int
     shard_axes: tuple[Hashable, ...]
     batch_ndim: int
@@ -169,24 +246,26 @@ def _caller_location() -> str:
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
-def check(pred: Any, msg: str, *fmt_args: Any) -> None:
+def check(pred: Any, msg: str, *fmt_args: Any, **fmt_kwargs: Any) -> None:
     """Asserts `pred` where it runs, even inside `jax.jit` and control flow.
 
-    Under `checked`, a `False` predicate records a failure: `msg.format(*fmt_args)`
-    with the values of `fmt_args` at the failing point, and where it happened
-    (the loop iterations, the shard, the source line of the `check`). The first
-    failure in execution order is kept (between the shards of a `shard_map`, or
-    the elements of a `vmap`, which run side by side: the first in mesh or batch
-    order). Outside `checked`, `check` does nothing.
+    Under `checked`, a `False` predicate records a failure:
+    `msg.format(*fmt_args, **fmt_kwargs)` with the values of the format arguments
+    at the failing point, and where it happened (the loop iterations, the shard,
+    the source line of the `check`). The first failure in execution order is kept
+    (between the shards of a `shard_map`, or the elements of a `vmap`, which run
+    side by side: the first in mesh or batch order). Outside `checked`, `check`
+    does nothing.
 
     **Arguments:**
 
     - `pred`: a boolean scalar (a Python `bool` or a `bool[]` array), `True` when
       all is well. Reduce an array condition with `jnp.all`.
-    - `msg`: the message, a `str.format` template with positional fields (`{}`,
-      `{0}`, `{:.3f}`) for `fmt_args`; write `{{` and `}}` for literal braces.
-    - `fmt_args`: pytrees of arrays (and static Python values) for the message's
-      fields, one per field.
+    - `msg`: the message, a `str.format` template: positional fields (`{}`,
+      `{0}`, `{:.3f}`) for `fmt_args`, named fields (`{x}`, `{x:.3f}`) for
+      `fmt_kwargs`; write `{{` and `}}` for literal braces.
+    - `fmt_args`, `fmt_kwargs`: pytrees of arrays (and static Python values) for
+      the message's fields, each used by the message.
 
     **Raises:**
 
@@ -202,22 +281,22 @@ def check(pred: Any, msg: str, *fmt_args: Any) -> None:
 
 
     def safe_log(x):
-        check(jnp.all(x > 0), "log of a non-positive number: min {}", jnp.min(x))
+        check(jnp.all(x > 0), "log of {x_min}, a non-positive number", x_min=jnp.min(x))
         return jnp.log(x)
 
 
     out, error = checked(safe_log)(jnp.array([1.0, -2.0]))
-    assert error.get().startswith("log of a non-positive number: min -2.0")
+    assert error.message == "log of -2.0, a non-positive number"
     ```
     """
     location = _caller_location()
     if not isinstance(msg, str):
         raise TypeError(
-            f"check(pred, msg, *fmt_args) at {location}: msg must be a str, got "
-            f"{type(msg).__name__}: {msg!r}."
+            f"check(pred, msg, *fmt_args, **fmt_kwargs) at {location}: msg must be a str, "
+            f"got {type(msg).__name__}: {msg!r}."
         )
     pred = _predicate(pred, msg, location)
-    leaves, fmt_tree = jax.tree.flatten(fmt_args)
+    leaves, fmt_tree = jax.tree.flatten((fmt_args, fmt_kwargs))
     is_array = tuple(eqx.is_array(leaf) for leaf in leaves)
     arrays = [jnp.asarray(leaf) for leaf, a in zip(leaves, is_array) if a]
     info = _CheckInfo(
@@ -231,10 +310,12 @@ def check(pred: Any, msg: str, *fmt_args: Any) -> None:
     try:
         info.format([np.zeros(aval.shape, aval.dtype) for aval in info.avals])
     except _FORMAT_ERRORS as err:
+        detail = err.args[0] if isinstance(err, KeyError) and err.args else err
         raise ValueError(
             f"check({msg!r}) at {location}: the message does not format with its "
-            f"{len(fmt_args)} fmt_args ({type(err).__name__}: {err}). Give one positional "
-            f"argument per field, e.g. check(x > 0, 'x is {{}}', x)."
+            f"{len(fmt_args)} fmt_args and {len(fmt_kwargs)} fmt_kwargs "
+            f"({type(err).__name__}: {detail}). Give one argument per field, e.g. "
+            f"check(x > 0, 'x is {{}}', x) or check(x > 0, 'x is {{x}}', x=x)."
         ) from None
     _check_p.bind(pred, *arrays, site=info)
 
@@ -258,6 +339,188 @@ def _predicate(pred: Any, msg: str, location: str) -> Any:
             f"{jax.typeof(pred).str_short()}. Reduce it with jnp.all(...) (or jnp.any)."
         )
     return pred
+
+
+# ---------------------------------------------------------------------------
+# Automatic checks: what the program's own operations may get wrong.
+# ---------------------------------------------------------------------------
+
+_SCATTERS = frozenset(
+    {
+        "scatter",
+        *(f"scatter{sep}{op}" for sep in "-_" for op in ("add", "sub", "mul", "min", "max")),
+    }
+)
+_INDEXING = frozenset({"gather", "dynamic_slice", "dynamic_update_slice"}) | _SCATTERS
+_DIVISIONS = frozenset({"div", "rem"})
+# Operations that only move, pick or relabel elements: from NaN-free inputs they
+# cannot make a NaN, so nan_checks does not spend a reduction on them. (`gather`
+# is not one: in "fill" mode it writes NaN for an out-of-bounds index.)
+_MOVES_ONLY = frozenset(
+    {
+        "broadcast_in_dim",
+        "concatenate",
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "expand_dims",
+        "reshape",
+        "rev",
+        "select_n",
+        "slice",
+        "squeeze",
+        "transpose",
+    }
+)
+
+
+_UNKNOWN = "unknown"
+
+
+def _eqn_location(eqn: JaxprEqn, enclosing: str = _UNKNOWN) -> str:
+    """`file.py:LINE` of the user's code behind `eqn`; for an equation with no user
+    frame of its own (JAX keeps none inside the jitted body of a `jnp` function
+    such as `floor_divide`), that of the control flow around it, `enclosing`."""
+    location = source_location(eqn)
+    return enclosing if location is None else f"{os.path.basename(location[0])}:{location[1]}"
+
+
+def _is_inexact(dtype: Any) -> bool:
+    return isinstance(dtype, np.dtype) and bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+class _IndexLayout(NamedTuple):
+    """How an indexing equation reads its indices: the operand axis of each entry of
+    the indices' last dimension and the largest in-bounds start on that axis."""
+
+    operand_axes: tuple[int, ...]
+    upper: tuple[int, ...]
+
+
+def _index_layout(eqn: JaxprEqn) -> _IndexLayout | None:
+    """The index layout of a `gather`, `scatter*`, `dynamic_slice` or
+    `dynamic_update_slice`, or `None` when it reads no index."""
+    name, params = eqn.primitive.name, eqn.params
+    operand_shape = tuple(eqn.invars[0].aval.shape)  # pyright: ignore[reportAttributeAccessIssue]
+    ndim = len(operand_shape)
+    if name == "dynamic_slice":
+        window = tuple(params["slice_sizes"])
+        axes = tuple(range(ndim))
+    elif name == "dynamic_update_slice":
+        window = tuple(eqn.invars[1].aval.shape)  # pyright: ignore[reportAttributeAccessIssue]
+        axes = tuple(range(ndim))
+    elif name == "gather":
+        if math.prod(eqn.invars[1].aval.shape) == 0:  # pyright: ignore[reportAttributeAccessIssue]
+            return None
+        window = tuple(params["slice_sizes"])
+        axes = tuple(params["dimension_numbers"].start_index_map)
+    else:  # scatter*: the update window's extent along each operand axis
+        if math.prod(eqn.invars[1].aval.shape) == 0:  # pyright: ignore[reportAttributeAccessIssue]
+            return None
+        numbers = params["dimension_numbers"]
+        updates_shape = eqn.invars[2].aval.shape  # pyright: ignore[reportAttributeAccessIssue]
+        size_one = {*numbers.inserted_window_dims, *getattr(numbers, "operand_batching_dims", ())}
+        window_dims = iter(numbers.update_window_dims)
+        window = tuple(
+            1 if d in size_one else updates_shape[next(window_dims)] for d in range(ndim)
+        )
+        axes = tuple(numbers.scatter_dims_to_operand_dims)
+    if not axes:
+        return None
+    return _IndexLayout(axes, tuple(operand_shape[a] - window[a] for a in axes))
+
+
+def _index_array(eqn: JaxprEqn, invals: Sequence[Any]) -> jax.Array:
+    """The indices an equation reads, with one entry per operand axis last."""
+    name = eqn.primitive.name
+    ndim = len(eqn.invars[0].aval.shape)  # pyright: ignore[reportAttributeAccessIssue]
+    if name == "dynamic_slice":
+        return jnp.stack([jnp.asarray(i) for i in invals[1 : 1 + ndim]])
+    if name == "dynamic_update_slice":
+        return jnp.stack([jnp.asarray(i) for i in invals[2 : 2 + ndim]])
+    return jnp.asarray(invals[1])
+
+
+def _automatic_checks(
+    eqn: JaxprEqn, kinds: frozenset[str], enclosing: str
+) -> tuple[_AutoCheck, ...]:
+    """The automatic checks of `kinds` that apply to `eqn` (no control flow), inside
+    control flow at `enclosing`."""
+    name = eqn.primitive.name
+    found = []
+    scalar = ((), "int32")
+    if "index" in kinds and name in _INDEXING and _index_layout(eqn) is not None:
+        shape = tuple(eqn.invars[0].aval.shape)  # pyright: ignore[reportAttributeAccessIssue]
+        template = (
+            f"out-of-bounds index {{}} on axis {{}} of an operand of shape {shape} in "
+            f"'{name}' (in bounds: 0 to {{}})"
+        )
+        found.append(
+            _AutoCheck("index", name, _eqn_location(eqn, enclosing), template, (scalar,) * 3)
+        )
+    if "div" in kinds and name in _DIVISIONS:
+        divisor_shape = tuple(eqn.invars[1].aval.shape)  # pyright: ignore[reportAttributeAccessIssue]
+        if divisor_shape:
+            template = f"division by zero in '{name}' (divisor element {{}})"
+            payload = (((len(divisor_shape),), "int32"),)
+        else:
+            template, payload = f"division by zero in '{name}'", ()
+        found.append(_AutoCheck("div", name, _eqn_location(eqn, enclosing), template, payload))
+    if (
+        "nan" in kinds
+        and name not in _MOVES_ONLY
+        and any(_is_inexact(v.aval.dtype) for v in eqn.outvars)  # pyright: ignore[reportAttributeAccessIssue]
+    ):
+        template = f"'{name}' produced a NaN from inputs without NaN"
+        found.append(_AutoCheck("nan", name, _eqn_location(eqn, enclosing), template, ()))
+    return tuple(found)
+
+
+def _out_of_bounds(
+    eqn: JaxprEqn, invals: Sequence[Any], outvals: Sequence[Any]
+) -> tuple[jax.Array, list[jax.Array]]:
+    del outvals
+    layout = _index_layout(eqn)
+    assert layout is not None
+    indices = _index_array(eqn, invals)
+    upper = np.asarray(layout.upper)
+    outside = jnp.logical_or(indices < 0, indices > upper.astype(indices.dtype))
+    first = jnp.argmax(outside.reshape(-1))
+    entry = first % len(layout.operand_axes)
+    payload = [
+        indices.reshape(-1)[first].astype(jnp.int32),
+        jnp.asarray(layout.operand_axes, jnp.int32)[entry],
+        jnp.asarray(upper, jnp.int32)[entry],
+    ]
+    return jnp.any(outside), payload
+
+
+def _zero_divisor(
+    eqn: JaxprEqn, invals: Sequence[Any], outvals: Sequence[Any]
+) -> tuple[jax.Array, list[jax.Array]]:
+    del outvals
+    zero = jnp.asarray(invals[1]) == 0
+    if not zero.ndim:
+        return zero, []
+    first = jnp.unravel_index(jnp.argmax(zero.reshape(-1)), zero.shape)
+    return jnp.any(zero), [jnp.stack(first).astype(jnp.int32)]
+
+
+def _new_nan(
+    eqn: JaxprEqn, invals: Sequence[Any], outvals: Sequence[Any]
+) -> tuple[jax.Array, list[jax.Array]]:
+    def any_nan(values: Iterable[Any]) -> jax.Array:
+        flags = [jnp.any(jnp.isnan(v)) for v in map(jnp.asarray, values) if _is_inexact(v.dtype)]
+        return functools.reduce(jnp.logical_or, flags, jnp.zeros((), jnp.bool_))
+
+    return jnp.logical_and(any_nan(outvals), jnp.logical_not(any_nan(invals))), []
+
+
+_CONDITIONS: dict[
+    str, Callable[[JaxprEqn, Sequence[Any], Sequence[Any]], tuple[jax.Array, list[jax.Array]]]
+] = {"index": _out_of_bounds, "div": _zero_divisor, "nan": _new_nan}
 
 
 # ---------------------------------------------------------------------------
@@ -288,36 +551,19 @@ class _Slot(eqx.Module):
             batch=jnp.zeros((site.batch_ndim,), jnp.int32),
         )
 
-    def message(self, outer_batch: tuple[int, ...] = ()) -> str:
-        """The failure message (the slot must be concrete and failed). `outer_batch`:
-        the element of a `vmap` of the whole checked function."""
-        site = self.site
-        text = site.info.format(list(self.values))
-        batch = [*outer_batch, *np.asarray(self.batch).tolist()]
-        if batch:
-            text += f" at vmap index {batch[0] if len(batch) == 1 else tuple(batch)}"
-        iterations = np.asarray(self.iterations).tolist()
-        if len(iterations) == 1:
-            text += f" at iteration {iterations[0]}"
-        elif iterations:
-            text += f" at iterations {', '.join(map(str, iterations))} (outermost loop first)"
-        if site.shard_axes:
-            coordinates = np.asarray(self.shard).tolist()
-            text += " on shard " + ", ".join(
-                f"{axis}={index}" for axis, index in zip(site.shard_axes, coordinates)
-            )
-        return f"{text} ({site.info.location})"
-
 
 class _Ctx(eqx.Module):
     """The interpreter's context: the error record, plus the iteration counters of
-    the loops (outermost first) and the manual mesh axes around the current
-    equation."""
+    the loops (outermost first), the manual mesh axes around the current equation,
+    the kinds of checks being recorded and the source line of the innermost
+    control flow around it (for equations with none of their own)."""
 
     failed: jax.Array
     slots: tuple[_Slot, ...]
     loops: tuple[jax.Array, ...]
     shard_axes: tuple[Hashable, ...] = eqx.field(static=True)
+    kinds: frozenset[str] = eqx.field(static=True)
+    enclosing: str = eqx.field(static=True, default=_UNKNOWN)
 
     def with_sites(self, sites: Iterable[_Site]) -> _Ctx:
         """This context with an empty slot for each site it has none for."""
@@ -326,28 +572,116 @@ class _Ctx(eqx.Module):
         return dataclasses.replace(self, slots=self.slots + new) if new else self
 
 
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+    """The first failure of a concrete error, read out."""
+
+    kind: str
+    message: str
+    iteration: tuple[int, ...] | None
+    shard: dict[Hashable, int] | None
+    vmap_index: tuple[int, ...]
+    source: str
+
+    def describe(self) -> str:
+        text = self.message
+        if self.vmap_index:
+            index = self.vmap_index
+            text += f" at vmap index {index[0] if len(index) == 1 else index}"
+        if self.iteration is not None:
+            if len(self.iteration) == 1:
+                text += f" at iteration {self.iteration[0]}"
+            else:
+                text += (
+                    f" at iterations {', '.join(map(str, self.iteration))} (outermost loop first)"
+                )
+        if self.shard is not None:
+            text += " on shard " + ", ".join(f"{axis}={i}" for axis, i in self.shard.items())
+        return f"{text} ({self.source})"
+
+
 class Error(eqx.Module):
     """What `checked` returns beside the output: the first failed check, if any.
 
     It is a pytree, so it can be returned from `jax.jit` (and passed through
-    `vmap`, `lax.cond`, ...). Read it with `get` or `throw` once it is concrete,
-    outside the jitted function.
+    `vmap`, `lax.cond`, ...). Read it (`get`, `throw`, or the fields below) once it
+    is concrete, outside the jitted function; reading a traced error is a
+    `TypeError` that says so.
 
     **Fields:**
 
     - `failed`: a `bool[]` array, `True` when a check failed.
+    - `message`: the formatted message of the first failure (without where it
+      happened), or `None`.
+    - `iteration`: the iteration of each loop (`scan`, `fori_loop`, `while_loop`)
+      around the failure, outermost first, or `None` (no failure, or not in a loop).
+    - `shard`: the failing shard's coordinates on the manual mesh axes of the
+      `shard_map`s around it (`{"x": 2, "y": 1}`), or `None`.
+    - `source`: `"file.py:LINE"` of the failing `check` or operation, or `None`.
+    - `kind`: `"user"`, `"index"`, `"div"` or `"nan"`, or `None`.
+
+    **Example:**
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    from kups.checks import check, checked
+
+
+    def f(xs):
+        def step(carry, x):
+            check(x < 3, "x={x}", x=x)
+            return carry, None
+
+        return jax.lax.scan(step, 0, xs)[0]
+
+
+    _, error = jax.jit(checked(f))(jnp.arange(5))
+    assert (error.message, error.iteration, error.shard) == ("x=3", (3,), None)
+    ```
     """
 
     failed: jax.Array
     slots: tuple[_Slot, ...]
 
+    def _first_failure(self, reading: str) -> _Failure | None:
+        if self._is_traced():
+            raise TypeError(
+                f"Error.{reading} needs a concrete error, but this one is traced (it is "
+                f"being used inside jax.jit or another transformation). Return the Error "
+                f"from the transformed function and read .{reading} on the result, "
+                f"outside jit."
+            )
+        failed = np.asarray(self.failed)
+        if not failed.any():
+            return None
+        # A vmapped checked function returns a batched error: its first failing
+        # element (row-major) is reported, with its index.
+        index = tuple(int(i) for i in np.unravel_index(int(np.argmax(failed)), failed.shape))
+        for slot in self.slots:
+            element = jax.tree.map(lambda leaf: np.asarray(leaf)[index], slot)
+            if not element.failed:
+                continue
+            site = slot.site
+            return _Failure(
+                kind=site.info.kind,
+                message=site.info.format(list(element.values)),
+                iteration=tuple(element.iterations.tolist()) if site.num_loops else None,
+                shard=dict(zip(site.shard_axes, element.shard.tolist(), strict=True))
+                if site.shard_axes
+                else None,
+                vmap_index=(*index, *element.batch.tolist()),
+                source=site.info.location,
+            )
+        raise AssertionError("kups.checks: the error is failed but no check site failed.")
+
     def get(self) -> str | None:
         """The message of the first failed check, or `None` when every check passed.
 
         The message is the check's `msg` formatted with the values at the failing
-        point, then where it failed: `at iteration 3` (0-based; for nested loops
-        each level, outermost first), `on shard x=2, y=1` (inside `shard_map`) and
-        the source line of the `check`, e.g.
+        point (`message`), then where it failed: `at iteration 3` (0-based; for
+        nested loops each level, outermost first), `on shard x=2, y=1` (inside
+        `shard_map`) and the source line, e.g.
         `"x must be positive, got -1.0 at iteration 3 (model.py:12)"`.
 
         Under `jax.vmap` (inside the checked function, or of it), the first
@@ -358,24 +692,40 @@ class Error(eqx.Module):
         `TypeError` under a JAX trace (inside `jit`): return the error from the
         jitted function and call `get` on the result.
         """
-        if self._is_traced():
-            raise TypeError(
-                "Error.get() needs a concrete error, but this one is traced (it is being "
-                "used inside jax.jit or another transformation). Return the Error from "
-                "the transformed function and call .get() or .throw() on the result, "
-                "outside jit."
-            )
-        failed = np.asarray(self.failed)
-        if not failed.any():
-            return None
-        # A vmapped checked function returns a batched error: its first failing
-        # element (row-major) is reported, with its index.
-        index = tuple(int(i) for i in np.unravel_index(int(np.argmax(failed)), failed.shape))
-        for slot in self.slots:
-            element = jax.tree.map(lambda leaf: np.asarray(leaf)[index], slot)
-            if element.failed:
-                return element.message(outer_batch=index)
-        raise AssertionError("kups.checks: the error is failed but no check site failed.")
+        failure = self._first_failure("get()")
+        return None if failure is None else failure.describe()
+
+    @property
+    def message(self) -> str | None:
+        """The formatted message of the first failure, without where it happened."""
+        failure = self._first_failure("message")
+        return None if failure is None else failure.message
+
+    @property
+    def iteration(self) -> tuple[int, ...] | None:
+        """One index per loop around the first failure, outermost first; `None` when
+        nothing failed or the failure was not inside a loop."""
+        failure = self._first_failure("iteration")
+        return None if failure is None else failure.iteration
+
+    @property
+    def shard(self) -> dict[Hashable, int] | None:
+        """The first failing shard's coordinates, `{axis: index}` over the manual
+        mesh axes around it; `None` when nothing failed or not inside `shard_map`."""
+        failure = self._first_failure("shard")
+        return None if failure is None else failure.shard
+
+    @property
+    def source(self) -> str | None:
+        """`"file.py:LINE"` of the failing `check` or operation, or `None`."""
+        failure = self._first_failure("source")
+        return None if failure is None else failure.source
+
+    @property
+    def kind(self) -> str | None:
+        """Which kind of check failed (`"user"`, `"index"`, `"div"`, `"nan"`), or `None`."""
+        failure = self._first_failure("kind")
+        return None if failure is None else failure.kind
 
     def _is_traced(self) -> bool:
         return any(isinstance(leaf, Tracer) for leaf in jax.tree.leaves(self))
@@ -393,24 +743,16 @@ class Error(eqx.Module):
 
 
 # ---------------------------------------------------------------------------
-# Handlers.
+# Recording a failure.
 # ---------------------------------------------------------------------------
 
 
-def _check_handler(
-    interpreter: Interpreter, ctx: _Ctx, eqn: JaxprEqn, invals: list[Any]
-) -> HandlerResult:
-    del interpreter
-    pred, *values = invals
-    site = _site(eqn, len(ctx.loops), ctx.shard_axes)
+def _record(
+    ctx: _Ctx, site: _Site, bad: jax.Array, values: Sequence[jax.Array], batch: jax.Array
+) -> _Ctx:
+    """`ctx` with `site`'s slot filled if `bad` and nothing failed before."""
     ctx = ctx.with_sites([site])
-    batch = jnp.zeros((0,), jnp.int32)
-    if site.batch_ndim:  # under vmap (see `_batch_check`): the first failing element
-        first = jnp.argmin(pred.reshape(-1))
-        values = [value.reshape(-1, *value.shape[site.batch_ndim :])[first] for value in values]
-        batch = jnp.stack(jnp.unravel_index(first, pred.shape)).astype(jnp.int32)
-        pred = jnp.all(pred)
-    fails = jnp.logical_and(jnp.logical_not(pred), jnp.logical_not(ctx.failed))
+    fails = jnp.logical_and(bad, jnp.logical_not(ctx.failed))
     iterations = jnp.stack(ctx.loops) if ctx.loops else jnp.zeros((0,), jnp.int32)
     shard = (
         jnp.stack([lax.axis_index(axis) for axis in ctx.shard_axes])
@@ -418,7 +760,7 @@ def _check_handler(
         else jnp.zeros((0,), jnp.int32)
     )
 
-    def record(slot: _Slot) -> _Slot:
+    def fill(slot: _Slot) -> _Slot:
         if slot.site != site:
             return slot
         return _Slot(
@@ -432,48 +774,124 @@ def _check_handler(
             batch=_select(fails, batch, slot.batch),
         )
 
-    ctx = dataclasses.replace(
+    return dataclasses.replace(
         ctx,
         failed=jnp.logical_or(ctx.failed, fails),
-        slots=tuple(record(slot) for slot in ctx.slots),
+        slots=tuple(fill(slot) for slot in ctx.slots),
     )
-    return HandlerResult(ctx, list(invals))
 
 
 def _select(pred: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
     """`new` where `pred`, else `old`. Not `jnp.where`: on an empty array (JAX 0.10.2)
     it returns an operand without joining the varying manual axes, which breaks a
     loop carry inside shard_map."""
-    return lax.select(jnp.broadcast_to(pred, old.shape), new, old)
+    return lax.select(jnp.broadcast_to(pred, old.shape), jnp.asarray(new, old.dtype), old)
 
 
-def _site(eqn: JaxprEqn, num_loops: int, shard_axes: tuple[Hashable, ...]) -> _Site:
-    pred_aval: Any = eqn.invars[0].aval
-    batch_ndim = pred_aval.ndim  # the predicate is a scalar but for vmap axes
-    return _Site(eqn.params["site"], num_loops, shard_axes, batch_ndim)
+def _check_handler(
+    interpreter: Interpreter, ctx: _Ctx, eqn: JaxprEqn, invals: list[Any]
+) -> HandlerResult:
+    del interpreter
+    pred, *values = invals
+    site = _Site(eqn.params["site"], len(ctx.loops), ctx.shard_axes, _batch_ndim(eqn))
+    batch = jnp.zeros((0,), jnp.int32)
+    if site.batch_ndim:  # under vmap (see `_batch_check`): the first failing element
+        first = jnp.argmin(pred.reshape(-1))
+        values = [value.reshape(-1, *value.shape[site.batch_ndim :])[first] for value in values]
+        batch = jnp.stack(jnp.unravel_index(first, pred.shape)).astype(jnp.int32)
+        pred = jnp.all(pred)
+    ctx = _record(ctx, site, jnp.logical_not(pred), values, batch)
+    return HandlerResult(ctx, list(invals))
+
+
+def _batch_ndim(eqn: JaxprEqn) -> int:
+    return eqn.invars[0].aval.ndim  # pyright: ignore[reportAttributeAccessIssue]  # the predicate is a scalar but for vmap axes
+
+
+def _automatic_handler(
+    interpreter: Interpreter, ctx: _Ctx, eqn: JaxprEqn, invals: list[Any]
+) -> HandlerResult:
+    """The fallback handler under automatic checks: re-binds the equation, then
+    records whatever of `ctx.kinds` went wrong in it."""
+    ctx, outvals = default_primitive_handler(interpreter, ctx, eqn, invals)
+    for info in _automatic_checks(eqn, ctx.kinds, ctx.enclosing):
+        bad, payload = _CONDITIONS[info.kind](eqn, invals, outvals)
+        site = _Site(info, len(ctx.loops), ctx.shard_axes, 0)
+        ctx = _record(ctx, site, bad, payload, jnp.zeros((0,), jnp.int32))
+    return HandlerResult(ctx, outvals)
+
+
+# ---------------------------------------------------------------------------
+# Where the checks are: a program's sites, found before it runs.
+# ---------------------------------------------------------------------------
+
+# Per jaxpr and kinds: its sites relative to it, `(info, loops, shard_axes,
+# batch_ndim)` with the loops and manual axes it adds around each one.
+_RelativeSite = tuple[_Info, int, tuple[Hashable, ...], int]
+_SITES: weakref.WeakKeyDictionary[Jaxpr, dict[frozenset[str], tuple[_RelativeSite, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _relative_sites(jaxpr: Jaxpr | ClosedJaxpr, kinds: frozenset[str]) -> tuple[_RelativeSite, ...]:
+    open_jaxpr: Jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+    per_kinds = _SITES.setdefault(open_jaxpr, {})
+    sites = per_kinds.get(kinds)
+    if sites is None:
+        sites = per_kinds[kinds] = tuple(_walk(open_jaxpr, kinds))
+    return sites
+
+
+def _walk(jaxpr: Jaxpr, kinds: frozenset[str]) -> Iterator[_RelativeSite]:
+    """The sites the handlers below will meet in `jaxpr`: a `scan` or `while` body
+    adds a loop level, a `shard_map` body its manual axes; an equation that is not
+    control flow goes to the fallback handler, whose checks apply to it. An
+    automatic check with no source line of its own takes that of the nearest
+    control flow around it that has one (`_located`)."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if eqn.primitive is _check_p:
+            if "user" in kinds:
+                yield eqn.params["site"], 0, (), _batch_ndim(eqn)
+        elif contains_subjaxprs(None, eqn, []):
+            loops = 1 if name in ("scan", "while") else 0
+            axes = shard_map_axes(eqn)[1] if name == "shard_map" else ()
+            location = _eqn_location(eqn)
+            for sub in jaxprs_in_params(eqn.params):
+                for info, num_loops, shard_axes, batch_ndim in _relative_sites(sub, kinds):
+                    info = _located(info, location)
+                    yield info, num_loops + loops, (*axes, *shard_axes), batch_ndim
+        elif kinds & automatic_checks:
+            for info in _automatic_checks(eqn, kinds, _UNKNOWN):
+                yield info, 0, (), 0
+
+
+def _located(info: _Info, enclosing: str) -> _Info:
+    if isinstance(info, _AutoCheck) and info.location == _UNKNOWN:
+        return dataclasses.replace(info, location=enclosing)
+    return info
 
 
 def _sites_in(
-    jaxprs: Iterable[Jaxpr | ClosedJaxpr], num_loops: int, shard_axes: tuple[Hashable, ...]
+    jaxprs: Iterable[Jaxpr | ClosedJaxpr],
+    num_loops: int,
+    shard_axes: tuple[Hashable, ...],
+    kinds: frozenset[str],
+    enclosing: str,
 ) -> Iterator[_Site]:
     """The sites of the checks in `jaxprs` and in everything they call, as the
-    handlers below will see them: a `scan` or `while` body adds a loop level, a
-    `shard_map` body its manual axes."""
+    handlers will see them inside `num_loops` loops and `shard_axes`, and inside
+    control flow at `enclosing`."""
     for jaxpr in jaxprs:
-        if isinstance(jaxpr, ClosedJaxpr):
-            jaxpr = jaxpr.jaxpr
-        for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
-            if eqn.primitive is _check_p:
-                yield _site(eqn, num_loops, shard_axes)
-            elif name in ("scan", "while"):
-                yield from _sites_in(jaxprs_in_params(eqn.params), num_loops + 1, shard_axes)
-            elif name == "shard_map":
-                _, manual_axes = shard_map_axes(eqn)
-                inner_axes = (*shard_axes, *manual_axes)
-                yield from _sites_in(jaxprs_in_params(eqn.params), num_loops, inner_axes)
-            else:
-                yield from _sites_in(jaxprs_in_params(eqn.params), num_loops, shard_axes)
+        for info, loops, axes, batch_ndim in _relative_sites(jaxpr, kinds):
+            yield _Site(
+                _located(info, enclosing), num_loops + loops, (*shard_axes, *axes), batch_ndim
+            )
+
+
+# ---------------------------------------------------------------------------
+# Control flow.
+# ---------------------------------------------------------------------------
 
 
 def _before_control_flow(ctx: _Ctx, sites: list[_Site]) -> _Ctx:
@@ -504,7 +922,7 @@ def _before_control_flow(ctx: _Ctx, sites: list[_Site]) -> _Ctx:
 
 def _varying(value: jax.Array, axes: tuple[Hashable, ...]) -> jax.Array:
     """`value`, cast to vary over those of `axes` it does not vary over yet."""
-    varying = jax.typeof(value).manual_axis_type.varying
+    varying = varying_axes(value)
     missing = tuple(axis for axis in axes if axis not in varying)
     return lax.pcast(value, missing, to="varying") if missing else value
 
@@ -530,7 +948,9 @@ def _scan_handler(
     params = eqn.params
     step = -1 if params["reverse"] else 1
     start = params["length"] - 1 if params["reverse"] else 0
-    sites = list(_sites_in([params["jaxpr"]], len(ctx.loops) + 1, ctx.shard_axes))
+    sites = list(
+        _sites_in([params["jaxpr"]], len(ctx.loops) + 1, ctx.shard_axes, ctx.kinds, ctx.enclosing)
+    )
     ctx = _push_loop(_before_control_flow(ctx, sites), start)
     ctx, outvals = default_scan_handler(
         interpreter, ctx, eqn, invals, updater=functools.partial(_advance, step)
@@ -543,8 +963,12 @@ def _while_handler(
 ) -> HandlerResult:
     params = eqn.params
     num_loops = len(ctx.loops) + 1
-    condition_sites = list(_sites_in([params["cond_jaxpr"]], num_loops, ctx.shard_axes))
-    body_sites = list(_sites_in([params["body_jaxpr"]], num_loops, ctx.shard_axes))
+    condition_sites = list(
+        _sites_in([params["cond_jaxpr"]], num_loops, ctx.shard_axes, ctx.kinds, ctx.enclosing)
+    )
+    body_sites = list(
+        _sites_in([params["body_jaxpr"]], num_loops, ctx.shard_axes, ctx.kinds, ctx.enclosing)
+    )
     ctx = _push_loop(_before_control_flow(ctx, condition_sites + body_sites), 0)
     if condition_sites:
         ctx, outvals = _while_checking_condition(interpreter, ctx, eqn, invals)
@@ -591,7 +1015,9 @@ def _while_checking_condition(
 def _cond_handler(
     interpreter: Interpreter, ctx: _Ctx, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:
-    sites = list(_sites_in(eqn.params["branches"], len(ctx.loops), ctx.shard_axes))
+    sites = list(
+        _sites_in(eqn.params["branches"], len(ctx.loops), ctx.shard_axes, ctx.kinds, ctx.enclosing)
+    )
     ctx = _before_control_flow(ctx, sites)
     return default_cond_handler(interpreter, ctx, eqn, invals)
 
@@ -601,41 +1027,85 @@ def _shard_map_handler(
 ) -> HandlerResult:
     mesh, manual_axes = shard_map_axes(eqn)
     num_shards = math.prod(mesh.shape[axis] for axis in manual_axes)
-    reduce_ctx = functools.partial(
-        _first_failing_shard, manual_axes, num_shards, eqn.params["check_vma"]
+    inner_axes = (*ctx.shard_axes, *manual_axes)
+    reduce_ctx = _first_failing_shard(
+        manual_axes, inner_axes, num_shards, bool(eqn.params.get("check_vma", True))
     )
-    inner = dataclasses.replace(ctx, shard_axes=(*ctx.shard_axes, *manual_axes))
+    inner = dataclasses.replace(ctx, shard_axes=inner_axes)
     inner, outvals = default_shard_map_handler(
         interpreter, inner, eqn, invals, reduce_ctx=reduce_ctx
     )
     return HandlerResult(dataclasses.replace(inner, shard_axes=ctx.shard_axes), outvals)
 
 
+@functools.lru_cache(maxsize=256)
 def _first_failing_shard(
-    axes: tuple[Hashable, ...], num_shards: int, check_vma: bool, ctx: _Ctx
-) -> _Ctx:
-    """Every shard's context replaced by that of the first failing shard in mesh
-    order (shard 0's when none failed), so that it leaves the shard_map replicated.
+    axes: tuple[Hashable, ...], all_axes: tuple[Hashable, ...], num_shards: int, check_vma: bool
+) -> Callable[[_Ctx], _Ctx]:
+    """`reduce_ctx` for a shard_map over the manual `axes` (`all_axes`: those and
+    the manual axes of enclosing shard_maps): every shard's context replaced by
+    that of the first failing shard in mesh order (shard 0's when none failed), so
+    that it leaves the shard_map replicated. Cached, so that the framework's body
+    cache recognises it.
 
-    The chosen shard's values are selected with a `psum` of values masked to that
-    shard, which is exact and gives values replicated over `axes`.
+    One collective: each shard writes its flag and slots, as bytes, into its own
+    row of a table that is zero elsewhere, and a `psum` of the table gives every
+    shard every row (exactly: one shard adds to each byte). Each shard then picks
+    the first failing row itself. The values go in varying over every manual
+    axis, which a collective over several axes needs (a value that varies over
+    some of them only is an error in JAX 0.10).
     """
-    shard = lax.axis_index(axes)
-    first = lax.pmin(jnp.where(ctx.failed, shard, num_shards), axes)
-    chosen = jnp.where(first == num_shards, 0, first)
-    mine = shard == chosen
 
-    def select(value: jax.Array) -> jax.Array:
+    def reduce_ctx(ctx: _Ctx) -> _Ctx:
+        slot_leaves, slot_tree = jax.tree.flatten(ctx.slots)
         # Under check_vma, values that do not vary over `axes` are already equal on
         # every shard; without it, types do not say, so every value is reduced.
-        if check_vma and not set(axes) & jax.typeof(value).manual_axis_type.varying:
-            return value
-        if value.dtype == jnp.bool_:
-            masked = jnp.where(mine, value, False).astype(jnp.int32)
-            return lax.psum(masked, axes).astype(jnp.bool_)
-        return lax.psum(jnp.where(mine, value, jnp.zeros_like(value)), axes)
+        reduced = [not check_vma or bool(set(axes) & varying_axes(leaf)) for leaf in slot_leaves]
+        picked = [ctx.failed, *(leaf for leaf, r in zip(slot_leaves, reduced) if r)]
+        if check_vma:
+            picked = [_varying(value, all_axes) for value in picked]
+        rows = [_to_bytes(value) for value in picked]
+        row = jnp.concatenate(rows)
+        table = jnp.zeros((num_shards, row.shape[0]), jnp.uint8)
+        if check_vma:
+            table = _varying(table, all_axes)
+        table = lax.dynamic_update_slice(table, row[None], (lax.axis_index(axes), 0))
+        table = lax.psum(table, axes)
+        # Row `i` is shard `i` in mesh order; the flag is each row's first byte.
+        chosen = table[jnp.argmax(table[:, 0] != 0)]
+        offsets = np.cumsum([0, *(r.shape[0] for r in rows)])
+        values = iter(
+            _from_bytes(chosen[start:stop], value.shape, value.dtype)
+            for start, stop, value in zip(offsets[:-1], offsets[1:], picked, strict=True)
+        )
+        failed = next(values)
+        slot_leaves = [next(values) if r else leaf for leaf, r in zip(slot_leaves, reduced)]
+        return dataclasses.replace(
+            ctx, failed=failed, slots=jax.tree.unflatten(slot_tree, slot_leaves)
+        )
 
-    return jax.tree.map(select, ctx)
+    return reduce_ctx
+
+
+def _to_bytes(value: jax.Array) -> jax.Array:
+    """The bytes of `value`, flat (`uint8`)."""
+    if value.dtype == jnp.bool_:
+        return value.reshape(-1).astype(jnp.uint8)
+    if jnp.issubdtype(value.dtype, jnp.complexfloating):
+        value = jnp.stack([jnp.real(value), jnp.imag(value)], axis=-1)
+    return lax.bitcast_convert_type(value, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(data: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """The inverse of `_to_bytes`: an array of that shape and dtype."""
+    if dtype == jnp.bool_:
+        return (data != 0).reshape(shape)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        parts = _from_bytes(data, (*shape, 2), jnp.finfo(dtype).dtype)
+        return lax.complex(parts[..., 0], parts[..., 1])
+    if dtype.itemsize == 1:
+        return lax.bitcast_convert_type(data, dtype).reshape(shape)
+    return lax.bitcast_convert_type(data.reshape(*shape, dtype.itemsize), dtype)
 
 
 def _scoped(handler: Handler) -> Handler:
@@ -652,23 +1122,32 @@ def _scoped(handler: Handler) -> Handler:
     def dispatch(
         interpreter: Interpreter, ctx: _Ctx, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
-        inside = {site.info for site in _sites_in(jaxprs_in_params(eqn.params), 0, ())}
+        location = _eqn_location(eqn, ctx.enclosing)
+        inside = {
+            site.info
+            for site in _sites_in(jaxprs_in_params(eqn.params), 0, (), ctx.kinds, location)
+        }
         if not inside:
             return default_primitive_handler(interpreter, ctx, eqn, invals)
         scoped = dataclasses.replace(
-            ctx, slots=tuple(slot for slot in ctx.slots if slot.site.info in inside)
+            ctx,
+            slots=tuple(slot for slot in ctx.slots if slot.site.info in inside),
+            enclosing=location,
         )
         scoped, outvals = handler(interpreter, scoped, eqn, invals)
         returned = {slot.site: slot for slot in scoped.slots}
         slots = tuple(returned.pop(slot.site, slot) for slot in ctx.slots)
         return HandlerResult(
-            dataclasses.replace(scoped, slots=slots + tuple(returned.values())), outvals
+            dataclasses.replace(
+                scoped, slots=slots + tuple(returned.values()), enclosing=ctx.enclosing
+            ),
+            outvals,
         )
 
     return dispatch
 
 
-def _dispatcher() -> Dispatcher:
+def _dispatcher(kinds: frozenset[str]) -> Dispatcher:
     dispatcher = default_dispatcher()
     handlers = {
         **dispatcher.handlers,
@@ -679,16 +1158,59 @@ def _dispatcher() -> Dispatcher:
     }
     for name, handler in handlers.items():
         dispatcher.register_handler(name, _scoped(handler))
-    return dispatcher.register_handler(_check_p, _check_handler)
+    if kinds & automatic_checks:
+        dispatcher.register_fallback_handler(_automatic_handler)
+    # Without user_checks, a `check` stays in the program as it is, for an
+    # enclosing `checked` to record.
+    check_handler = _check_handler if "user" in kinds else default_primitive_handler
+    return dispatcher.register_handler(_check_p, check_handler)
 
 
-def checked(fn: Callable[Params, Out]) -> Callable[Params, tuple[Out, Error]]:
-    """Runs `fn` with its `check`s recorded, and returns the first failure.
+def _kinds(errors: Any) -> frozenset[str]:
+    if isinstance(errors, str) or not isinstance(errors, (set, frozenset)):
+        raise TypeError(
+            f"checked(fn, errors=...) takes a frozenset of check kinds, such as "
+            f"kups.checks.user_checks or index_checks | div_checks; got "
+            f"{type(errors).__name__}: {errors!r}."
+        )
+    unknown = set(errors) - all_checks
+    if unknown:
+        raise ValueError(
+            f"checked(fn, errors=...): unknown check kinds {sorted(map(str, unknown))}; the "
+            f"kinds are {sorted(all_checks)} (combine the sets user_checks, index_checks, "
+            f"div_checks, nan_checks, float_checks, automatic_checks, all_checks with |)."
+        )
+    return frozenset(errors)
+
+
+def checked(
+    fn: Callable[Params, Out], *, errors: frozenset[str] = user_checks
+) -> Callable[Params, tuple[Out, Error]]:
+    """Runs `fn` with its checks recorded, and returns the first failure.
 
     The checks anywhere in `fn` (also inside `jit`, `scan`, `fori_loop`,
     `while_loop`, `cond`/`switch`, `jax.checkpoint`, `custom_jvp`/`custom_vjp`
     and `shard_map`) are evaluated as part of the program. The wrapped function
     can itself be jitted, with the `Error` returned from the jitted function.
+
+    `errors` says what to check: the user's `check`s (`user_checks`, the
+    default) and automatic checks of the program's own operations:
+
+    - `index_checks`: an out-of-bounds index in `gather`, `scatter*`,
+      `dynamic_slice` or `dynamic_update_slice`, which JAX would clamp, fill or
+      drop silently (`x[i]`, `x.at[i].set(v)`, `jnp.take`, ...). Intended
+      out-of-bounds reads (`mode="fill"`) are reported too.
+    - `div_checks`: a zero divisor in `div` or `rem` (`//`, `%`, `/`), of any
+      dtype, also where a `jnp.where` discards the result.
+    - `nan_checks`: an operation whose output holds a NaN while its inputs hold
+      none: the place a NaN is made, not where it spreads.
+    - `float_checks = nan_checks | div_checks`,
+      `automatic_checks = index_checks | div_checks | nan_checks` (as in
+      `jax.experimental.checkify`), `all_checks = automatic_checks | user_checks`.
+
+    An automatic check reports the primitive in its message, and its iteration,
+    shard and source line like a `check`. With the default `errors=user_checks`,
+    the program compiles as it would with checks alone.
 
     Where a failure happened: the iteration of each enclosing `scan` or
     `while_loop` (0-based, the number of iterations done before it; with
@@ -700,6 +1222,8 @@ def checked(fn: Callable[Params, Out]) -> Callable[Params, tuple[Out, Error]]:
 
     - `fn`: the function to run. Arguments that are not arrays are static, as in
       `equinox.filter_jit`.
+    - `errors`: a frozenset of check kinds, such as `user_checks`,
+      `index_checks | div_checks` or `all_checks`.
 
     **Returns:**
 
@@ -710,7 +1234,7 @@ def checked(fn: Callable[Params, Out]) -> Callable[Params, tuple[Out, Error]]:
     ```python
     import jax
     import jax.numpy as jnp
-    from kups.checks import CheckFailed, check, checked
+    from kups.checks import CheckFailed, check, checked, index_checks, user_checks
 
 
     def cumulative(xs):
@@ -727,15 +1251,19 @@ def checked(fn: Callable[Params, Out]) -> Callable[Params, tuple[Out, Error]]:
         error.throw()
     except CheckFailed as failure:
         print(failure)  # negative entry -3.0 at iteration 2 (example.py:8)
+
+    _, error = checked(lambda x, i: x[i], errors=index_checks | user_checks)(jnp.zeros(3), 5)
+    assert error.kind == "index" and error.message.startswith("out-of-bounds index 5")
     ```
     """
     if not callable(fn):
         raise TypeError(f"checked(fn) needs a callable, got {type(fn).__name__}: {fn!r}.")
+    kinds = _kinds(errors)
 
     @functools.wraps(fn)
     def wrapped(*args: Params.args, **kwargs: Params.kwargs) -> tuple[Out, Error]:
-        interpreter = Interpreter(_dispatcher(), label="kups.checks")
-        ctx = _Ctx(failed=jnp.zeros((), jnp.bool_), slots=(), loops=(), shard_axes=())
+        interpreter = Interpreter(_dispatcher(kinds), label="kups.checks")
+        ctx = _Ctx(failed=jnp.zeros((), jnp.bool_), slots=(), loops=(), shard_axes=(), kinds=kinds)
         out, ctx = reinterpret(fn, interpreter)(ctx, *args, **kwargs)
         return out, Error(failed=ctx.failed, slots=ctx.slots)
 
