@@ -9,8 +9,14 @@ one, and the fix. Some mistakes are JAX's to report (a mesh made without
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import re
+import subprocess
+import sys
+import traceback
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +26,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import kups
 from kups.checks import check, checked
 from kups.debug import find_nans
 from kups.effects import (
@@ -661,3 +668,241 @@ def test_error_get_inside_jit():
         return error.get()
 
     expect(TypeError, lambda: jax.jit(user)(X), "Error.get()", "traced", "outside jit")
+
+
+# ---------------------------------------------------------------------------
+# The first steps: names, the context, the jaxpr, stale traces, tracebacks.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "suggestion"),
+    [("sine", "'sin'"), ("dot", "'dot_general'"), ("while_loop", "'while'"), ("Scan", "'scan'")],
+)
+def test_registering_a_name_that_is_no_primitive(name, suggestion):
+    message = expect(
+        ValueError,
+        lambda: default_dispatcher().register_handler(name, add_one_at_sin),
+        f"{name!r}",
+        "never run",
+        f"Did you mean {suggestion}",
+        "jax.make_jaxpr",
+        "Primitive object",
+    )
+    assert "Primitive object" in message
+    # The constructor checks its mapping too.
+    expect(ValueError, lambda: Dispatcher({name: add_one_at_sin}), f"{name!r}", suggestion)
+
+
+def test_registering_the_suggested_name_works():
+    def user(x):
+        return jnp.sin(jnp.sin(x))
+
+    out, ctx = reinterpret(user, identity_with(sin=add_one_at_sin))(0, X)
+    assert ctx == 2
+    np.testing.assert_allclose(out, user(X))
+
+
+def test_registering_names_of_primitives_kups_and_users_make():
+    # Every default handler's name, on every JAX kups supports (some are old names).
+    dispatcher = default_dispatcher()
+    for name, handler in dispatcher.handlers.items():
+        dispatcher.register_handler(name, handler)
+    # An effect primitive, and a user's own primitive, by name.
+    effect = define_effect("kups_test_errors_effect")
+    own = jax.extend.core.Primitive("kups_test_errors_own")
+    own.def_impl(lambda x: x + 1.0)
+    own.def_abstract_eval(lambda aval: aval)
+    seen = []
+
+    def record(interpreter, ctx, eqn, invals):
+        seen.append(eqn.primitive.name)
+        return HandlerResult(ctx, [invals[0] + 1.0])
+
+    dispatcher.register_handler("kups_test_errors_effect", record)
+    dispatcher.register_handler("kups_test_errors_own", record)
+
+    def user(x):
+        (x,) = effect.bind(x)
+        return own.bind(x)
+
+    out, _ = reinterpret(user, Interpreter(dispatcher))(0, X)
+    np.testing.assert_allclose(out, X + 2.0)
+    assert seen == ["kups_test_errors_effect", "kups_test_errors_own"]
+
+
+def test_registering_the_name_of_a_primitive_not_yet_made():
+    # The way out: register the Primitive object, which is always accepted.
+    expect(
+        ValueError,
+        lambda: Dispatcher().register_handler("kups_test_errors_later", add_one_at_sin),
+        "'kups_test_errors_later'",
+        "register_handler(my_primitive, handler)",
+        "create it before",
+    )
+    later = jax.extend.core.Primitive("kups_test_errors_later")
+    assert Dispatcher().register_handler(later, add_one_at_sin).is_registered(later)
+    assert Dispatcher().register_handler("kups_test_errors_later", add_one_at_sin)
+
+
+def user_two_args(model, xs):
+    return model["w"] * xs
+
+
+def test_calling_a_reinterpreted_function_without_the_context():
+    wrapped = reinterpret(user_two_args, Interpreter(default_dispatcher()))
+    model = {"w": jnp.float32(2.0)}
+    expect(
+        TypeError,
+        lambda: wrapped(model, X),
+        "user_two_args(model, xs)",
+        "the first argument of a reinterpreted function is the context",
+        "wrapped(ctx, *args)",
+    )
+    out, ctx = wrapped(None, model, X)
+    np.testing.assert_allclose(out, 2.0 * X)
+    assert ctx is None
+    # A call that is wrong for another reason keeps the user's own error.
+    expect(TypeError, lambda: wrapped(None, model, X, X), "positional argument")
+
+
+def test_interpreter_given_a_function_instead_of_a_jaxpr():
+    interpreter = Interpreter(default_dispatcher())
+    jitted = jax.jit(jnp.sin)
+    expect(
+        TypeError,
+        lambda: interpreter(jitted, 0, X),
+        "interprets a jaxpr",
+        "reinterpret(",
+        "jax.make_jaxpr(",
+    )
+    expect(TypeError, lambda: interpreter("sin", 0, X), "was given a str", "jax.make_jaxpr")
+    # Both fixes work.
+    outs, _ = interpreter(jax.make_jaxpr(jitted)(X), 0, X)
+    np.testing.assert_allclose(outs[0], jnp.sin(X))
+    out, _ = reinterpret(jitted, interpreter)(0, X)
+    np.testing.assert_allclose(out, jnp.sin(X))
+
+
+def add_hundred_at_sin(interpreter, ctx, eqn, invals):
+    return HandlerResult(ctx + 100, [jnp.sin(invals[0])])
+
+
+def test_changing_a_dispatcher_after_it_traced_under_jit():
+    dispatcher = default_dispatcher().register_handler("sin", add_one_at_sin)
+    # Eager use caches nothing: changing the dispatcher then is silent.
+    reinterpret(jnp.sin, Interpreter(dispatcher))(0, X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dispatcher.register_handler("sin", add_one_at_sin)
+    jitted = jax.jit(reinterpret(jnp.sin, Interpreter(dispatcher)))
+    assert int(jitted(0, X)[1]) == 1
+    with pytest.warns(UserWarning, match="already used to trace") as record:
+        dispatcher.register_handler("sin", add_hundred_at_sin)
+    message = str(record[0].message)
+    assert "register_handler('sin', ...)" in message and "dispatcher.copy()" in message
+    assert type(record[0].message).__name__ == "StaleTraceWarning"
+    # The trap the warning is about: the jitted function keeps the old handler.
+    assert int(jitted(0, X)[1]) == 1
+    # The fix it names: a copy (not yet used to trace) and a new wrapper.
+    fresh = dispatcher.copy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh.register_handler("cos", add_one_at_sin)
+    assert int(jax.jit(reinterpret(jnp.sin, Interpreter(fresh)))(0, X)[1]) == 100
+    for change in (
+        lambda: dispatcher.unregister_handler("sin"),
+        lambda: dispatcher.register_fallback_handler(None),
+        lambda: dispatcher.register_custom_matching_rule(lambda ctx, eqn, invals: False),
+    ):
+        with pytest.warns(UserWarning, match="already used to trace"):
+            change()
+
+
+KUPS_DIR = os.path.dirname(os.path.abspath(kups.__file__)) + os.sep
+
+
+def kups_frames(exc: BaseException) -> list[str]:
+    """The kups-internal frames (`file:function`) of `exc`'s traceback, as printed."""
+    return [
+        f"{frame.filename}:{frame.name}"
+        for frame in traceback.extract_tb(exc.__traceback__)
+        if frame.filename.startswith(KUPS_DIR) and not frame.filename.endswith("_demo.py")
+    ]
+
+
+class UserBug(Exception):
+    pass
+
+
+def user_scan_raising(xs):
+    def body(carry, x):
+        raise UserBug("the user's own bug")  # <USER_BUG>
+
+    return lax.scan(body, 0.0, xs)[0]
+
+
+def user_handler_raising(interpreter, ctx, eqn, invals):
+    raise UserBug("the user's handler failed")  # <HANDLER_BUG>
+
+
+def user_scan_sin_plain(xs):
+    return lax.scan(lambda c, x: (c + jnp.sin(x), None), 0.0, xs)[0]
+
+
+@pytest.mark.parametrize("case", ["fn", "handler"])
+@pytest.mark.parametrize("under_jit", [False, True])
+def test_tracebacks_hide_kups_frames(case, under_jit):
+    wrapped = (
+        reinterpret(user_scan_raising, Interpreter(default_dispatcher()))
+        if case == "fn"
+        else reinterpret(user_scan_sin_plain, identity_with(sin=user_handler_raising))
+    )
+    call = jax.jit(wrapped) if under_jit else wrapped
+    with pytest.raises(UserBug) as info:
+        call(0, X)
+    assert kups_frames(info.value) == []
+    lines = [(f.filename, f.lineno) for f in traceback.extract_tb(info.value.__traceback__)]
+    marker = "USER_BUG" if case == "fn" else "HANDLER_BUG"
+    assert lines[-1] == (__file__, LINES[marker])  # the user's line is still there
+    # JAX's opt-out shows every frame, kups' too.
+    with _filtering_off(), pytest.raises(UserBug) as info:
+        call(0, X)
+    assert len(kups_frames(info.value)) >= 2
+
+
+@contextlib.contextmanager
+def _filtering_off():
+    previous = jax.config.jax_traceback_filtering
+    jax.config.update("jax_traceback_filtering", "off")
+    try:
+        yield
+    finally:
+        jax.config.update("jax_traceback_filtering", previous)
+
+
+_KUPS_OPT_OUT = """
+import jax, jax.numpy as jnp, traceback
+from jax import lax
+from kups.effects import Interpreter, default_dispatcher, reinterpret
+
+def body(carry, x):
+    raise ZeroDivisionError("user bug")
+
+wrapped = reinterpret(lambda xs: lax.scan(body, 0.0, xs)[0], Interpreter(default_dispatcher()))
+try:
+    wrapped(0, jnp.ones(3))
+except ZeroDivisionError as err:
+    files = [frame.filename for frame in traceback.extract_tb(err.__traceback__)]
+    print(sum("/kups/" in f for f in files), sum("/jax/" in f for f in files))
+"""
+
+
+def test_kups_opt_out_of_traceback_filtering_keeps_jax_filtering():
+    env = dict(os.environ, KUPS_TRACEBACK_FILTERING="off")
+    env.pop("JAX_TRACEBACK_FILTERING", None)
+    result = subprocess.run(
+        [sys.executable, "-c", _KUPS_OPT_OUT], env=env, capture_output=True, text=True, check=True
+    )
+    num_kups, num_jax = map(int, result.stdout.split())
+    assert num_kups >= 2 and num_jax == 0

@@ -2,10 +2,14 @@
 literals and dropped outputs."""
 
 import gc
+import inspect
 import sys
 import traceback
+import warnings
 import weakref
+from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -475,3 +479,95 @@ def test_raise_policy_names_the_first_unhandled_primitive():
     dispatcher = Dispatcher({"jit": default_dispatcher().handler_for("jit")})
     with pytest.raises(NotImplementedError, match="'scan'"):
         reinterpret(every_control_flow, Interpreter(dispatcher))(0, X)
+
+
+# ---------------------------------------------------------------------------
+# The wrapped function looks like the user's, with a leading context.
+# ---------------------------------------------------------------------------
+
+
+def affine(x, y, scale=2.0):
+    """Scales x and adds y."""
+    return x * scale + y
+
+
+def identity_wrap(fn):
+    return reinterpret(fn, Interpreter(default_dispatcher()))
+
+
+def test_wrapped_signature_is_the_users_with_a_leading_ctx():
+    wrapped = identity_wrap(affine)
+    assert str(inspect.signature(wrapped)) == "(ctx, /, x, y, scale=2.0)"
+    assert wrapped.__name__ == "affine"
+    assert wrapped.__qualname__ == "affine"
+    assert wrapped.__doc__ == "Scales x and adds y."
+    assert wrapped.__module__ == __name__
+    assert not hasattr(wrapped, "__wrapped__")
+    # A parameter of the user's named ctx keeps its name; the context's changes.
+    uses_ctx = identity_wrap(lambda ctx, x: ctx * x)
+    assert str(inspect.signature(uses_ctx)) == "(ctx_, /, ctx, x)"
+    np.testing.assert_allclose(uses_ctx(None, 2.0, X)[0], 2.0 * X)
+    # A callable without a readable signature.
+    assert str(inspect.signature(identity_wrap(max))) == "(ctx, /, *args, **kwargs)"
+
+
+def test_wrapped_equinox_module_reads_its_call_signature():
+    class Scale(eqx.Module):
+        weight: jax.Array
+
+        def __call__(self, x, bias=0.0):
+            return self.weight * x + bias
+
+    wrapped = identity_wrap(Scale(jnp.float32(3.0)))
+    assert str(inspect.signature(wrapped)) == "(ctx, /, x, bias=0.0)"
+    assert wrapped.__name__ == "Scale"
+    np.testing.assert_allclose(wrapped(0, X)[0], 3.0 * X)
+
+
+def test_jit_donate_argnums_of_the_wrapped_function():
+    wrapped = identity_wrap(affine)
+    x, y = jnp.array(X), jnp.array(X)
+    out, ctx = jax.jit(wrapped, donate_argnums=2)(jnp.int32(0), x, y)
+    np.testing.assert_allclose(out, X * 2.0 + X)
+    assert int(ctx) == 0
+    assert y.is_deleted() and not x.is_deleted()  # the donated buffer is y's, not x's
+    # By name too, as jax.jit resolves it through the signature.
+    x, y = jnp.array(X), jnp.array(X)
+    jax.jit(wrapped, donate_argnames="x")(jnp.int32(0), x, y)
+    assert x.is_deleted() and not y.is_deleted()
+
+
+def test_jit_static_argnums_of_the_wrapped_function():
+    traced = []
+
+    def scaled(x, scale):
+        traced.append(scale)
+        return x * scale
+
+    jitted = jax.jit(identity_wrap(scaled), static_argnums=2)
+    np.testing.assert_allclose(jitted(0, X, 3.0)[0], 3.0 * X)
+    np.testing.assert_allclose(jitted(0, X, 3.0)[0], 3.0 * X)
+    np.testing.assert_allclose(jitted(0, X, 4.0)[0], 4.0 * X)
+    assert traced == [3.0, 4.0]  # static: one trace per value, as a Python float
+    by_name = jax.jit(identity_wrap(scaled), static_argnames="scale")
+    np.testing.assert_allclose(by_name(0, X, scale=5.0)[0], 5.0 * X)
+
+
+def test_equinox_filter_jit_and_module_fields_take_the_wrapped_function():
+    class Linear(eqx.Module):
+        weight: jax.Array
+
+        def __call__(self, x):
+            return self.weight * x
+
+    class Holder(eqx.Module):
+        fn: Any
+
+    wrapped = identity_wrap(Linear(jnp.float32(2.0)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # equinox warns about callables hiding arrays
+        out, ctx = eqx.filter_jit(wrapped)(jnp.int32(0), X)
+        holder = Holder(jax.jit(wrapped))
+    np.testing.assert_allclose(out, 2.0 * X)
+    assert int(ctx) == 0
+    np.testing.assert_allclose(holder.fn(0, X)[0], 2.0 * X)
