@@ -1,20 +1,23 @@
-"""`kups.harvest`: `sow`, `reap` and `plant` through every control-flow primitive,
-under transformations and inside `shard_map`, and every mistake as a clear error.
+"""`kups.harvest`: `sow`, `reap`, `plant`, `harvest` and `nest` through every
+control-flow primitive, under transformations and inside `shard_map`, and every
+mistake as a clear error.
 
 Expected values come from plain JAX (the same program without harvest, or a
 scan's own stacked outputs) or are computed by hand; never from kups itself.
 """
 
 import re
+import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kups.harvest import MODES, plant, reap, sow
+from kups.harvest import MODES, harvest, nest, plant, reap, sow
 
 XS = jnp.array([0.5, -1.0, 2.0, 0.25, 1.5], jnp.float32)
 
@@ -1081,12 +1084,580 @@ def test_plant_shard_map_wrong_number_of_entries_is_an_error(mesh42):
         plant(per_shard_sums, tag="t")({"block_sum": jnp.zeros(4)}, mesh42, jnp.arange(16.0))
 
 
+# ---------------------------------------------------------------- one program, every primitive
+
+
+def sows_everywhere(x, xs, blocks, trips, pred, *, mesh, sow=sow):
+    """Sows of tags "t" and "u" in straight-line code, scan, while, cond and
+    shard_map; every sown value feeds the output. With `sow=_identity` it is the
+    plain JAX program."""
+    top = sow(x * 2.0, tag="t", name="top")
+    other = sow(x * 3.0, tag="u", name="other")
+
+    def step(carry, x):
+        y = sow(x + 1.0, tag="t", name="in_scan", mode="append")
+        z = sow(x * 3.0, tag="u", name="u_scan", mode="append")
+        return carry + y * z, None
+
+    total = lax.scan(step, top + other, xs)[0]
+
+    def body(state):
+        i, v = state
+        return i + 1, sow(v, tag="t", name="in_while", mode="clobber", init=-1.0) * 2.0
+
+    _, v = lax.while_loop(lambda state: state[0] < trips, body, (0, x))
+    c = lax.cond(
+        pred,
+        lambda y: sow(y + 1.0, tag="t", name="in_cond"),
+        lambda y: sow(y - 1.0, tag="t", name="in_cond"),
+        total,
+    )
+
+    def shard_body(block):
+        return sow(block * 2.0, tag="t", name="in_shard") + sow(
+            block.max(), tag="u", name="u_shard"
+        )
+
+    out = jax.shard_map(shard_body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))(blocks)
+    return c + v + out.sum()
+
+
+def _identity(value, **_):
+    return value
+
+
+def everywhere_inputs(axis_type):
+    """`sows_everywhere`'s arguments, its mesh, and what it sows (by hand)."""
+    mesh = jax.make_mesh((8,), ("i",), axis_types=(axis_type,))
+    x, xs = jnp.float32(1.5), jnp.arange(4.0)
+    blocks = jax.device_put(jnp.arange(8.0) + 1.0, NamedSharding(mesh, P("i")))
+    total = 2.0 * 1.5 + 3.0 * 1.5 + np.sum((np.arange(4.0) + 1.0) * 3.0 * np.arange(4.0))
+    blocks_np = np.arange(8.0) + 1.0
+    sown_t = {
+        "top": 3.0,
+        "in_scan": np.arange(4.0) + 1.0,
+        "in_while": 3.0,  # trips=2: sows 1.5, then 3.0
+        "in_cond": total + 1.0,  # pred=True
+        "in_shard": (blocks_np * 2.0)[:, None],
+    }
+    sown_u = {"other": 4.5, "u_scan": np.arange(4.0) * 3.0, "u_shard": blocks_np}
+    return (x, xs, blocks, 2, True), mesh, sown_t, sown_u
+
+
+AXIS_TYPES = [AxisType.Auto, AxisType.Explicit]
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_everywhere_program_reaps_by_hand(axis_type):
+    args, mesh, sown_t, sown_u = everywhere_inputs(axis_type)
+    expected_out = sows_everywhere(*args, mesh=mesh, sow=_identity)
+    (out, inner), outer = jax.jit(
+        reap(reap(sows_everywhere, tag="t"), tag="u"), static_argnames="mesh"
+    )(*args, mesh=mesh)
+    assert_tree_close((out, inner, outer), (expected_out, sown_t, sown_u))
+
+
+# ---------------------------------------------------------------- allowlist, blocklist, exclusive
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+@pytest.mark.parametrize("taken", [("top",), ("in_scan", "in_while"), ("in_cond", "in_shard")])
+def test_reap_allowlist_leaves_the_other_sows_for_an_outer_reap(axis_type, taken):
+    args, mesh, sown_t, _ = everywhere_inputs(axis_type)
+    inner_reap = reap(sows_everywhere, tag="t", allowlist=taken)
+    (out, inner), outer = jax.jit(reap(inner_reap, tag="t"), static_argnames="mesh")(
+        *args, mesh=mesh
+    )
+    assert_tree_close(out, sows_everywhere(*args, mesh=mesh, sow=_identity))
+    assert_tree_close(inner, {name: sown_t[name] for name in taken})
+    assert_tree_close(outer, {name: v for name, v in sown_t.items() if name not in taken})
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_reap_blocklist_is_the_complement_of_allowlist(axis_type):
+    args, mesh, sown_t, _ = everywhere_inputs(axis_type)
+    blocked = ("in_scan", "in_shard")
+    (_, inner), outer = reap(reap(sows_everywhere, tag="t", blocklist=blocked), tag="t")(
+        *args, mesh=mesh
+    )
+    assert_tree_close(inner, {n: v for n, v in sown_t.items() if n not in blocked})
+    assert_tree_close(outer, {n: sown_t[n] for n in blocked})
+    # Both lists: the allowlist's names (or scopes) minus the blocklist's.
+    _, both = reap(sows_everywhere, tag="t", allowlist=["top", "in_cond"], blocklist=["in_scan"])(
+        *args, mesh=mesh
+    )
+    assert_tree_close(both, {"in_cond": sown_t["in_cond"], "top": sown_t["top"]})
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_reap_exclusive_hides_other_tags_from_an_outer_reap(axis_type):
+    # Oryx: "exclusive" runs the function with the sows of other tags removed.
+    args, mesh, sown_t, sown_u = everywhere_inputs(axis_type)
+    expected_out = sows_everywhere(*args, mesh=mesh, sow=_identity)
+    exclusive = reap(sows_everywhere, tag="t", exclusive=True)
+    (out, inner), outer = jax.jit(reap(exclusive, tag="u"), static_argnames="mesh")(
+        *args, mesh=mesh
+    )
+    assert_tree_close((out, inner, outer), (expected_out, sown_t, {}))
+    # Without exclusive, the outer reap sees them (the test above).
+    (_, inner), outer = reap(reap(sows_everywhere, tag="t"), tag="u")(*args, mesh=mesh)
+    assert_tree_close(outer, sown_u)
+
+
+def test_exclusive_hides_other_tags_from_an_outer_plant():
+    def f(x):
+        return sow(x, tag="t", name="a") + sow(x * 2.0, tag="u", name="b")
+
+    x = jnp.float32(1.0)
+    planted_outside = plant(reap(f, tag="t"), tag="u")({"b": 10.0}, x)
+    assert_tree_close(planted_outside, (jnp.float32(11.0), {"a": 1.0}))
+    with raises(ValueError, "['b']", "never sows under tag 'u'"):
+        plant(reap(f, tag="t", exclusive=True), tag="u")({"b": 10.0}, x)
+    with raises(ValueError, "['b']", "never sows under tag 'u'"):
+        plant(plant(f, tag="t", exclusive=True), tag="u")({"b": 10.0}, {"a": 5.0}, x)
+    assert_tree_close(plant(plant(f, tag="t"), tag="u")({"b": 10.0}, {"a": 5.0}, x), 15.0)
+
+
+def test_plant_allowlist_and_blocklist():
+    def f(x):
+        return sow(x, tag="t", name="a") + sow(x * 2.0, tag="t", name="b")
+
+    x = jnp.float32(1.0)
+    assert_tree_close(plant(f, tag="t", blocklist=["b"])({"a": 10.0}, x), jnp.float32(12.0))
+    # A sow left out keeps its value and stays for an outer plant of the tag.
+    inner = plant(f, tag="t", allowlist=["a"])
+    assert_tree_close(plant(inner, tag="t")({"b": 100.0}, {"a": 10.0}, x), jnp.float32(110.0))
+    with raises(ValueError, "['b']", "sows ['b'], but allowlist/blocklist leave them out", "['a']"):
+        plant(f, tag="t", allowlist=["a"])({"b": 1.0}, x)
+
+
+def test_plant_allowlist_through_scan_and_shard_map(mesh8):
+    def f(xs, blocks):
+        def step(carry, x):
+            kept = sow(x, tag="t", name="kept", mode="append")
+            planted = sow(x, tag="t", name="planted", mode="append")
+            return carry + kept * planted, None
+
+        def body(block):
+            return block * sow(block.sum(), tag="t", name="scale")
+
+        total = lax.scan(step, jnp.float32(0.0), xs)[0]
+        return total, jax.shard_map(body, mesh=mesh8, in_specs=P("i"), out_specs=P("i"))(blocks)
+
+    xs, blocks = jnp.arange(3.0), jnp.arange(8.0)
+    values = {"planted": jnp.array([5.0, 6.0, 7.0]), "scale": jnp.full(8, 2.0)}
+    total, scaled = jax.jit(plant(f, tag="t", blocklist=["kept"]))(values, xs, blocks)
+    assert_tree_close((total, scaled), (jnp.float32(0.0 * 5 + 1 * 6 + 2 * 7), blocks * 2.0))
+
+
+def test_allowlist_and_blocklist_mistakes_are_clear_errors():
+    for wrap in (reap, plant, harvest):
+        caller = wrap.__name__
+        with raises(TypeError, f"{caller}(allowlist='top')", "not a single string", "['top']"):
+            wrap(with_sow, tag="t", allowlist="top")
+        with raises(TypeError, f"{caller}(blocklist=...)", "iterable of names", "int"):
+            wrap(with_sow, tag="t", blocklist=3)
+        with raises(ValueError, "['y']", "both allowlist and blocklist"):
+            wrap(with_sow, tag="t", allowlist=["y", "z"], blocklist={"y"})
+        with raises(TypeError, "entry 3", "non-empty string"):
+            wrap(with_sow, tag="t", allowlist=["y", 3])
+        with raises(TypeError, "exclusive='yes'"):
+            wrap(with_sow, tag="t", exclusive="yes")
+
+
+# ---------------------------------------------------------------- nest
+
+
+def test_nest_puts_names_under_the_scope_and_composes():
+    # Oryx's documented behaviour:
+    #   harvest(foo, tag='test')({}, 1.)                  == (1., {'x': 1.})
+    #   harvest(nest(foo, scope='a'), tag='test')({}, 1.) == (1., {'a': {'x': 1.}})
+    def foo(x):
+        return sow(x, tag="test", name="x")
+
+    x = jnp.float32(1.0)
+    assert_tree_close(harvest(foo, tag="test")({}, x), (x, {"x": x}))
+    assert_tree_close(harvest(nest(foo, scope="a"), tag="test")({}, x), (x, {"a": {"x": x}}))
+    twice = nest(nest(foo, scope="a"), scope="b")
+    assert_tree_close(reap(twice, tag="test")(x), (x, {"b": {"a": {"x": x}}}))
+    assert_tree_close(nest(foo, scope="a")(x), x)  # the identity outside reap
+
+
+def test_nest_lets_two_calls_sow_the_same_strict_name():
+    def layer(x, w):
+        return sow(jnp.tanh(w * x), tag="t", name="out")
+
+    def model(x):
+        y = nest(layer, scope="first")(x, 2.0)
+        return nest(layer, scope="second")(y, 3.0), layer(y, 1.0)
+
+    x = jnp.float32(0.3)
+    (out, last), sown = jax.jit(reap(model, tag="t"))(x)
+    y = jnp.tanh(2.0 * x)
+    expected = {"first": {"out": y}, "out": jnp.tanh(y), "second": {"out": jnp.tanh(3.0 * y)}}
+    assert_tree_close((out, last, sown), (jnp.tanh(3.0 * y), jnp.tanh(y), expected))
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_nest_through_every_primitive(axis_type):
+    args, mesh, sown_t, sown_u = everywhere_inputs(axis_type)
+    expected_out = sows_everywhere(*args, mesh=mesh, sow=_identity)
+    scoped = nest(nest(jax.jit(sows_everywhere, static_argnames="mesh"), scope="a"), scope="b")
+    (out, inner), outer = jax.jit(reap(reap(scoped, tag="t"), tag="u"), static_argnames="mesh")(
+        *args, mesh=mesh
+    )
+    assert_tree_close(
+        (out, inner, outer), (expected_out, {"b": {"a": sown_t}}, {"b": {"a": sown_u}})
+    )
+
+
+def test_nest_under_vmap_and_grad():
+    def f(x):
+        return nest(lambda x: sow(jnp.sin(x), tag="t", name="s") * 2.0, scope="a")(x)
+
+    out, sown = jax.vmap(reap(f, tag="t"))(XS)
+    assert_tree_close((out, sown), (2.0 * jnp.sin(XS), {"a": {"s": jnp.sin(XS)}}))
+    grad = jax.grad(lambda x: reap(f, tag="t")(x)[1]["a"]["s"])(jnp.float32(0.4))
+    assert_tree_close(grad, jnp.cos(jnp.float32(0.4)))
+    grad = jax.grad(lambda s: plant(f, tag="t")({"a": {"s": s}}, jnp.float32(0.4)))(1.0)
+    assert_tree_close(grad, jnp.float32(2.0))
+
+
+def test_plant_into_nested_scopes_through_scan_and_shard_map(mesh42):
+    planted = jnp.array([10.0, 20.0, 30.0, 40.0, 50.0])
+    scoped = nest(nest(feed_back, scope="inner"), scope="outer")
+    ys = jax.jit(plant(scoped, tag="t"))({"outer": {"inner": {"fed": planted}}}, XS)
+    assert_tree_close(ys, planted)
+    # Round trip through reap.
+    ys, sown = reap(scoped, tag="t")(XS)
+    assert_tree_close(plant(scoped, tag="t")(sown, XS), ys)
+
+    def f(x):
+        def body(block):
+            return block * sow(block.sum(), tag="t", name="scale")
+
+        sm = jax.shard_map(body, mesh=mesh42, in_specs=P(("x", "y")), out_specs=P(("x", "y")))
+        return nest(sm, scope="s")(x) + sow(x, tag="t", name="scale", mode="clobber")
+
+    x = jnp.arange(16.0)
+    scales = jnp.arange(8.0) + 1.0
+    out = plant(f, tag="t")({"s": {"scale": scales}, "scale": jnp.ones(16)}, x)
+    assert_tree_close(out, (x.reshape(8, 2) * scales[:, None]).reshape(16) + 1.0)
+
+
+def test_nest_scope_and_name_clash_is_an_error():
+    def f(x):
+        sow(x, tag="t", name="a")  # <CLASH_NAME>
+        return nest(lambda x: sow(x, tag="t", name="y"), scope="a")(x)  # <CLASH_SCOPE>
+
+    with raises(ValueError, "name 'a' of tag 't'", at("CLASH_NAME"), "'a/y'", at("CLASH_SCOPE")):
+        reap(f, tag="t")(jnp.float32(1.0))
+
+
+def test_nest_errors_name_the_scope_and_the_user_lines():
+    def f(x):
+        sow(x, tag="t", name="y")  # <NESTED_FIRST>
+        return sow(x, tag="t", name="y")  # <NESTED_SECOND>
+
+    with raises(
+        ValueError,
+        "name 'y' in scope 'b/a' of tag 't'",
+        "sown twice",
+        at("NESTED_FIRST"),
+        at("NESTED_SECOND"),
+    ):
+        reap(nest(nest(f, scope="a"), scope="b"), tag="t")(jnp.float32(1.0))
+
+
+def test_plant_nested_values_mistakes():
+    scoped = nest(with_sow, scope="a")
+    x = jnp.float32(0.7)
+    with raises(TypeError, "scope 'a'", "is a float, not a dict", "values[scope][name]"):
+        plant(scoped, tag="t")({"a": 1.0}, x)
+    with raises(ValueError, "['a/w', 'b']", "never sows", "['a/y', 'a/z']"):
+        plant(scoped, tag="t")({"a": {"y": 1.0, "w": 2.0}, "b": 1.0}, x)
+    with raises(TypeError, "non-empty string scope"):
+        nest(with_sow, scope="")
+
+
+def test_allowlist_takes_a_scope_or_a_path_inside_it():
+    def f(x):
+        sow(x, tag="t", name="top")
+        nest(lambda x: sow(x, tag="t", name="p") + sow(x, tag="t", name="q"), scope="s")(x)
+        return x
+
+    x = jnp.float32(2.0)
+    assert_tree_close(reap(f, tag="t", allowlist=["s"])(x)[1], {"s": {"p": x, "q": x}})
+    assert_tree_close(reap(f, tag="t", allowlist=[("s", "q")])(x)[1], {"s": {"q": x}})
+    assert_tree_close(reap(f, tag="t", blocklist=[("s", "q")])(x)[1], {"s": {"p": x}, "top": x})
+
+
+# ---------------------------------------------------------------- harvest
+
+
+def test_harvest_oryx_documented_examples():
+    # From Oryx's harvest module documentation.
+    def f(x):
+        y = sow(x + 1.0, tag="intermediate", name="y")
+        return y + 1.0
+
+    harvested = harvest(f, tag="intermediate")
+    assert_tree_close(harvested({"y": 0.0}, 1.0), (1.0, {}))
+    assert_tree_close(harvested({"y": 0.0}, 5.0), (1.0, {}))
+    assert_tree_close(harvested({}, 1.0), (3.0, {"y": 2.0}))
+    assert_tree_close(harvested({}, 5.0), (7.0, {"y": 6.0}))
+    # No sow of the tag is left for an enclosing harvest (or reap).
+    assert harvest(harvested, tag="intermediate")({}, {}, 1.0)[1] == {}
+    assert reap(harvested, tag="intermediate")({}, 1.0)[1] == {}
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_harvest_plants_some_names_and_reaps_the_others(axis_type):
+    args, mesh, sown_t, sown_u = everywhere_inputs(axis_type)
+
+    def planted_sow(value, *, tag, name, **_):
+        # What each sow of the planted names receives: every shard gets ones.
+        per_sow = {"top": jnp.float32(-2.0), "in_while": jnp.float32(0.5), "in_shard": jnp.ones(1)}
+        return per_sow[name] if tag == "t" and name in per_sow else value
+
+    # Planted: a straight-line name, the while one (a clobber constant) and the
+    # shard_map one (one entry per shard); reaped: the others.
+    values = {"top": -2.0, "in_while": 0.5, "in_shard": jnp.ones((8, 1))}
+    harvested = jax.jit(harvest(sows_everywhere, tag="t"), static_argnames="mesh")
+    (out, reaped), outer = reap(harvested, tag="u")(values, *args, mesh=mesh)
+    assert_tree_close(out, sows_everywhere(*args, mesh=mesh, sow=planted_sow))
+    # "top" starts the scan: -2 + 4.5 + sum((xs + 1) * 3 xs), and pred=True adds 1.
+    total = -2.0 + 4.5 + np.sum((np.arange(4.0) + 1.0) * 3.0 * np.arange(4.0))
+    assert_tree_close(reaped, {"in_cond": total + 1.0, "in_scan": sown_t["in_scan"]})
+    assert_tree_close(outer, sown_u)
+
+
+def test_harvest_appended_names_in_scan_planted_and_reaped():
+    def f(xs):
+        def step(carry, x):
+            fed = sow(x + carry, tag="t", name="fed", mode="append")
+            seen = sow(fed * 2.0, tag="t", name="seen", mode="append")
+            return carry + 1.0, seen
+
+        return lax.scan(step, jnp.float32(0.0), xs)[1]
+
+    planted = jnp.array([10.0, 20.0, 30.0, 40.0, 50.0])
+    ys, reaped = jax.jit(harvest(f, tag="t"))({"fed": planted}, XS)
+    assert_tree_close((ys, reaped), (planted * 2.0, {"seen": planted * 2.0}))
+
+
+def test_harvest_under_vmap_and_grad():
+    def f(x):
+        y = sow(jnp.sin(x), tag="t", name="y")
+        z = sow(y * x, tag="t", name="z")
+        return z**2
+
+    harvested = harvest(f, tag="t")
+    out, reaped = jax.vmap(harvested, in_axes=(0, 0))({"y": XS * 10.0}, XS)
+    assert_tree_close((out, reaped), ((XS * 10.0 * XS) ** 2, {"z": XS * 10.0 * XS}))
+    x = jnp.float32(0.4)
+    # d/dy of (y * x)**2 at y = 3: 2 * 3 * x * x; d/dx: 2 * 3 * x * 3.
+    grad_y, grad_x = jax.grad(lambda y, x: harvested({"y": y}, x)[0], argnums=(0, 1))(3.0, x)
+    assert_tree_close((grad_y, grad_x), (2.0 * 3.0 * x * x, 2.0 * 3.0 * x * 3.0))
+    grad_of_reaped = jax.grad(lambda x: harvested({}, x)[1]["z"])(x)
+    assert_tree_close(grad_of_reaped, jnp.sin(x) + x * jnp.cos(x))
+
+
+def test_harvest_traces_the_function_once():
+    traces = []
+
+    def f(x):
+        traces.append(None)
+        return sow(x * 2.0, tag="t", name="a") + sow(x, tag="t", name="b")
+
+    out, reaped = harvest(f, tag="t")({"a": 5.0}, jnp.float32(1.0))
+    assert_tree_close((out, reaped), (jnp.float32(6.0), {"b": 1.0}))
+    assert len(traces) == 1
+
+
+def test_harvest_with_allowlist_leaves_the_others_for_an_outer_reap():
+    def f(x):
+        return (
+            sow(x, tag="t", name="a")
+            + sow(x * 2.0, tag="t", name="b")
+            + sow(x * 3.0, tag="t", name="c")
+        )
+
+    harvested = harvest(f, tag="t", allowlist=["a", "b"])
+    (out, inner), outer = reap(harvested, tag="t")({"a": 10.0}, jnp.float32(1.0))
+    assert_tree_close((out, inner, outer), (jnp.float32(15.0), {"b": 2.0}, {"c": 3.0}))
+    with raises(ValueError, "harvest(tag='t') was given ['c']", "allowlist/blocklist"):
+        harvested({"c": 1.0}, jnp.float32(1.0))
+    with raises(TypeError, "harvest(fn, tag='t')", "dict from sown names"):
+        harvested(1.0, jnp.float32(1.0))
+
+
+# ---------------------------------------------------------------- init: zero-trip loops
+
+
+def while_with_init(x, trips, *, init=-1.0):
+    def body(state):
+        i, x = state
+        state = {"value": x, "count": i}
+        sown = sow(state, tag="t", name="last", mode="clobber", init=init)  # <INIT_SOW>
+        return i + 1, sown["value"] * 2.0
+
+    return lax.while_loop(lambda state: state[0] < trips, body, (0, x))  # <INIT_LOOP>
+
+
+@pytest.mark.parametrize(("trips", "value", "count"), [(0, -1.0, -1), (1, 1.5, 0), (3, 6.0, 2)])
+def test_reap_while_init_is_what_a_zero_trip_loop_yields(trips, value, count):
+    (_, x), sown = jax.jit(reap(while_with_init, tag="t"))(jnp.float32(1.5), trips)
+    assert_tree_close(x, jnp.float32(1.5 * 2.0**trips))
+    assert_tree_close(sown, {"last": {"count": np.int32(count), "value": np.float32(value)}})
+    assert sown["last"]["count"].dtype == jnp.int32
+
+
+def test_reap_while_init_with_nan_and_under_vmap():
+    def f(x, trips):
+        def body(state):
+            i, x = state
+            return i + 1, sow(x, tag="t", name="last", mode="clobber", init=float("nan")) * 2.0
+
+        return lax.while_loop(lambda state: state[0] < trips, body, (0, x))
+
+    # The loop's predicate is batched: each entry stops after its own trips.
+    _, sown = jax.vmap(reap(f, tag="t"))(jnp.ones(3), jnp.array([0, 2, 1]))
+    assert np.isnan(sown["last"][0])
+    assert_tree_close(sown["last"][1:], jnp.array([2.0, 1.0]))
+
+
+def test_reap_while_init_that_a_leaf_cannot_hold_is_an_error():
+    # JAX would turn NaN into 0 in the int32 "count" leaf: kups does not.
+    with raises(ValueError, "name 'last'", at("INIT_SOW"), "init=nan", "dtype int32"):
+        reap(while_with_init, tag="t")(jnp.float32(1.0), 0, init=float("nan"))
+    with raises(ValueError, "init=0.5", "dtype int32"):
+        reap(while_with_init, tag="t")(jnp.float32(1.0), 0, init=0.5)
+
+
+def test_reap_value_sown_before_the_loop_takes_precedence_over_init():
+    def f(x, trips):
+        sow({"value": jnp.float32(7.0), "count": 7}, tag="t", name="last", mode="clobber")
+        return while_with_init(x, trips)
+
+    assert_tree_close(reap(f, tag="t")(jnp.float32(1.0), 0)[1]["last"]["value"], 7.0)
+    assert_tree_close(reap(f, tag="t")(jnp.float32(1.0), 2)[1]["last"]["value"], 2.0)
+
+
+def test_reap_while_init_inside_scan_and_inside_a_nested_while():
+    def f(starts, trips):
+        def step(carry, start_and_trips):
+            start, n = start_and_trips
+            return carry, while_with_init(start, n)[1]
+
+        return lax.scan(step, 0.0, (starts, trips))[1]
+
+    starts, trips = jnp.array([1.0, 2.0, 3.0]), jnp.array([2, 0, 1])
+    _, sown = reap(f, tag="t")(starts, trips)
+    # The clobber name comes out of the last iteration: one trip from 3.0.
+    assert_tree_close(sown["last"], {"count": np.int32(0), "value": np.float32(3.0)})
+
+    def outer(x, outer_trips, inner_trips):
+        def body(state):
+            i, x = state
+            return i + 1, while_with_init(x, inner_trips)[1]
+
+        return lax.while_loop(lambda s: s[0] < outer_trips, body, (0, x))[1]
+
+    for outer_trips, inner_trips, value in [(0, 3, -1.0), (2, 0, -1.0), (1, 2, 2.0)]:
+        _, sown = jax.jit(reap(outer, tag="t"))(jnp.float32(1.0), outer_trips, inner_trips)
+        assert_tree_close(sown["last"]["value"], jnp.float32(value))
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_reap_while_init_inside_shard_map(axis_type):
+    mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(axis_type,) * 2)
+    x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P(("x", "y"))))
+
+    def f(x):
+        def body(block):
+            def halve(v):
+                return sow(v * 0.5, tag="t", name="v", mode="clobber", init=-1.0)
+
+            return lax.while_loop(lambda v: v.sum() > 4.0, halve, block)
+
+        return jax.shard_map(body, mesh=mesh, in_specs=P(("x", "y")), out_specs=P(("x", "y")))(x)
+
+    out, sown = jax.jit(reap(f, tag="t"))(x)
+    blocks = np.arange(16.0).reshape(8, 2)
+    expected = []
+    for block in blocks:
+        last = np.full(2, -1.0)
+        while block.sum() > 4.0:
+            block = block * 0.5
+            last = block
+        expected.append(last)
+    assert_tree_close(sown["v"], np.stack(expected))
+    assert_tree_close(out, f(x))
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_reap_clobber_init_after_a_zero_length_scan(reverse):
+    def f(xs):
+        def step(carry, x):
+            return carry + x, sow(carry * x, tag="t", name="c", mode="clobber", init=0.0)
+
+        return lax.scan(step, jnp.float32(1.0), xs, reverse=reverse)
+
+    assert_tree_close(reap(f, tag="t")(XS[:0])[1], {"c": jnp.float32(0.0)})
+    (_, ys), sown = reap(f, tag="t")(XS)
+    assert_tree_close(sown["c"], ys[0] if reverse else ys[-1])
+
+
+def test_reap_first_sown_in_while_without_init_names_the_way_out():
+    with raises(
+        ValueError,
+        "first sown",
+        at("WHILE_SOW"),
+        at("WHILE_LOOP"),
+        "kups does not invent",
+        "before the loop",
+        "init=",
+    ):
+        reap(doubling_while, tag="t")(jnp.float32(1.0), 3, initial=False)
+
+
+def test_sow_init_mistakes_are_clear_errors():
+    with raises(ValueError, "init=0.0", "mode='clobber'"):
+        sow(1.0, tag="t", name="y", init=0.0)
+    with raises(ValueError, "init=0.0", "mode='append'"):
+        sow(1.0, tag="t", name="y", mode="append", init=0.0)
+    with raises(TypeError, "init of type Array", "a number"):
+        sow(1.0, tag="t", name="y", mode="clobber", init=jnp.zeros(()))
+
+    def two_inits(x, trips):
+        def body(x):
+            x = sow(x, tag="t", name="v", mode="clobber", init=0.0)  # <INIT_ZERO>
+            return sow(x * 2.0, tag="t", name="v", mode="clobber", init=1.0)  # <INIT_ONE>
+
+        return lax.while_loop(lambda x: x < trips, body, x)
+
+    with raises(ValueError, "init=0.0", at("INIT_ZERO"), "init=1.0", at("INIT_ONE")):
+        reap(two_inits, tag="t")(jnp.float32(1.0), 3.0)
+
+
+def test_plant_ignores_init_and_nest_keeps_it():
+    assert_tree_close(
+        plant(while_with_init, tag="t")(
+            {"last": {"value": jnp.float32(3.0), "count": 0}}, jnp.float32(1.0), 2
+        ),
+        (2, jnp.float32(6.0)),
+    )
+    _, sown = reap(nest(while_with_init, scope="w"), tag="t")(jnp.float32(1.0), 0)
+    assert_tree_close(sown, {"w": {"last": {"count": np.int32(-1), "value": np.float32(-1.0)}}})
+
+
 # ---------------------------------------------------------------- docstring examples
 
 
-@pytest.mark.parametrize("function", [sow, reap, plant])
+@pytest.mark.parametrize("function", [sow, reap, plant, harvest, nest])
 def test_docstring_example_runs(function):
     source = re.search(r"```python\n(.*?)```", function.__doc__, re.DOTALL)
     assert source is not None
-    code = "\n".join(line[8:] for line in source.group(1).splitlines())
+    code = textwrap.dedent(source.group(1))  # Python 3.13 dedents docstrings itself
     exec(compile(code, f"<{function.__name__} docstring>", "exec"), {})

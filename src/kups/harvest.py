@@ -203,9 +203,14 @@ def _show(path: Path) -> str:
     return "/".join(path)
 
 
+def _named(path: Path) -> str:
+    """`name 'x'`, or `name 'x' in scope 'a'` inside `nest`."""
+    name, scope = path[-1], path[:-1]
+    return f"name {name!r} in scope {_show(scope)!r}" if scope else f"name {name!r}"
+
+
 def _describe(tag: str, path: Path) -> str:
-    scope = f" in scope {_show(path[:-1])!r}" if len(path) > 1 else ""
-    return f"kups.harvest: name {path[-1]!r}{scope} of tag {tag!r}"
+    return f"kups.harvest: {_named(path)} of tag {tag!r}"
 
 
 # ---------------------------------------------------------------- which sows a call takes
@@ -479,8 +484,8 @@ def _same_number(a: Any, b: Any) -> bool:
     return bool(a == b or (a != a and b != b))  # NaN is NaN
 
 
-def _init_of(tag: str, path: Path, sows: list[JaxprEqn]) -> Any:
-    """The `init` given by the sows of `path` among `sows`, or `None`."""
+def _init_of(tag: str, path: Path, sows: list[JaxprEqn]) -> JaxprEqn | None:
+    """The sow among `sows` that gives `path` its `init`, or `None`."""
     given = [e for e in sows if _path_of(e) == path and e.params["init"] is not None]
     for other in given[1:]:
         if not _same_number(other.params["init"], given[0].params["init"]):
@@ -489,12 +494,39 @@ def _init_of(tag: str, path: Path, sows: list[JaxprEqn]) -> Any:
                 f"{source_line(given[0])} and with init={other.params['init']!r} at "
                 f"{source_line(other)}, in the same loop. Give the same init to both, or to one."
             )
-    return given[0].params["init"] if given else None
+    return given[0] if given else None
 
 
-def _filled(init: Any, like: Any) -> Any:
-    """An array of `like`'s shape and dtype filled with `init`."""
-    return jnp.full(like.shape, init, like.dtype)
+def _filled(tag: str, sow_eqn: JaxprEqn, like: Any) -> Any:
+    """An array of `like`'s shape and dtype filled with the `init` of `sow_eqn`,
+    which that dtype must hold (an integer leaf cannot hold NaN or 0.5; JAX
+    would convert it silently)."""
+    dtype, init = like.dtype, sow_eqn.params["init"]
+    value = complex(init)
+    if jnp.issubdtype(dtype, jnp.bool_):
+        fits = value in (0, 1)
+    elif jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        fits = (
+            not value.imag
+            and math.isfinite(value.real)
+            and value.real == int(value.real)
+            and info.min <= int(value.real) <= info.max
+        )
+    elif jnp.issubdtype(dtype, jnp.floating):
+        fits = not value.imag
+    else:
+        fits = True
+    if not fits:
+        raise ValueError(
+            f"{_describe(tag, _path_of(sow_eqn))} is sown at {source_line(sow_eqn)} with "
+            f"init={init!r}, which a leaf of dtype {jnp.dtype(dtype).name} of the sown value "
+            f"cannot hold. init fills every leaf: give one that each leaf's dtype holds "
+            f"exactly, or sow an initial value before the loop."
+        )
+    return jnp.full(
+        like.shape, init if jnp.issubdtype(dtype, jnp.complexfloating) else value.real, dtype
+    )
 
 
 # ---------------------------------------------------------------- the program, statically
@@ -630,7 +662,9 @@ class _Reaper:
                 init = _init_of(self.tag, path, in_body)
                 if init is not None:
                     values[path] = jax.tree.map(
-                        lambda stacked, init=init: jnp.full(stacked.shape[1:], init, stacked.dtype),
+                        lambda stacked, init=init: _filled(
+                            self.tag, init, jax.ShapeDtypeStruct(stacked.shape[1:], stacked.dtype)
+                        ),
                         value,
                     )
         return HandlerResult(out.replace(values), result.outvals)
@@ -641,7 +675,7 @@ class _Reaper:
         params = eqn.params
         in_condition = self.sows(params["cond_jaxpr"])
         in_loop = [*in_condition, *self.sows(params["body_jaxpr"])]
-        inits = {}
+        inits: dict[Path, JaxprEqn] = {}
         for sow_eqn in in_loop:
             path, mode = _path_of(sow_eqn), sow_eqn.params["mode"]
             where = f"at {source_line(sow_eqn)}, inside the while_loop at {source_line(eqn)}"
@@ -683,7 +717,8 @@ class _Reaper:
             values = dict(sentinel.values)
             for path in new:
                 values[path] = jax.tree.map(
-                    functools.partial(_filled, inits[path]), sentinel.values[path]
+                    functools.partial(_filled, self.tag, inits[path]),
+                    sentinel.values[path],
                 )
             return sentinel.replace(values)
 
@@ -1032,9 +1067,8 @@ def _check_axis(tag: str, path: Path, ctx: _Planted, size: int, where: str, eqn:
     for leaf in jax.tree.leaves(_lookup(tag, ctx.values, path, eqn)):
         shape = jnp.shape(leaf)
         if len(shape) <= axis or shape[axis] != size:
-            scope = f" in scope {_show(path[:-1])!r}" if len(path) > 1 else ""
             raise ValueError(
-                f"kups.harvest: the value planted for name {path[-1]!r}{scope} of tag {tag!r} "
+                f"kups.harvest: the value planted for {_named(path)} of tag {tag!r} "
                 f"has shape {shape}, but {where} needs {size} entries along its axis {axis} (one "
                 f"per iteration or shard, as reap returns it)."
             )
@@ -1067,10 +1101,8 @@ def _planted_leaves(tag: str, eqn: JaxprEqn, value: Any, invals: list[Any]) -> l
     sown = jax.tree.unflatten(params["tree"], invals)
 
     def mismatch(detail: str) -> ValueError:
-        path = _path_of(eqn)
-        scope = f" in scope {_show(path[:-1])!r}" if len(path) > 1 else ""
         return ValueError(
-            f"kups.harvest: the value planted for name {params['name']!r}{scope} of tag {tag!r} "
+            f"kups.harvest: the value planted for {_named(_path_of(eqn))} of tag {tag!r} "
             f"does not fit the sow at {source_line(eqn)}: {detail}. Plant a value of the form "
             f"reap returns for this name."
         )
