@@ -738,7 +738,7 @@ def test_registering_the_name_of_a_primitive_not_yet_made():
         lambda: Dispatcher().register_handler("kups_test_errors_later", add_one_at_sin),
         "'kups_test_errors_later'",
         "register_handler(my_primitive, handler)",
-        "create it before",
+        "create it (import its module) before",
     )
     later = jax.extend.core.Primitive("kups_test_errors_later")
     assert Dispatcher().register_handler(later, add_one_at_sin).is_registered(later)

@@ -36,13 +36,13 @@ class StaleTraceWarning(UserWarning):
 _PRIMITIVE_NAMES: set[str] = set()
 
 # What users write for a primitive, by the name of the JAX function that binds it.
-_ALIASES = {
+_ALIASES: dict[str, str | tuple[str, ...]] = {
     "dot": "dot_general",
     "matmul": "dot_general",
     "einsum": "dot_general",
     "tensordot": "dot_general",
     "while_loop": "while",
-    "fori_loop": "while",
+    "fori_loop": ("scan", "while"),  # scan when the trip count is static
     "switch": "cond",
     "select": "select_n",
     "where": "select_n",
@@ -82,7 +82,14 @@ def _refresh_primitive_names() -> None:
 
 
 def _suggestions(name: str) -> list[str]:
-    found = [_ALIASES[name]] if name in _ALIASES else []
+    alias = _ALIASES.get(name, ())
+    found = [alias] if isinstance(alias, str) else list(alias)
+    # "cosine" is more likely "cos" than the closer-spelled "sin".
+    found += sorted(
+        (known for known in _PRIMITIVE_NAMES if len(known) >= 3 and name.startswith(known)),
+        key=len,
+        reverse=True,
+    )
     found += difflib.get_close_matches(name, sorted(_PRIMITIVE_NAMES), n=3, cutoff=0.6)
     found += sorted((known for known in _PRIMITIVE_NAMES if known.startswith(name + "_")), key=len)[
         :2
@@ -104,9 +111,9 @@ def _check_primitive_name(name: str) -> None:
         f"never run.{hint} Handlers are keyed by the primitive names that jaxprs show "
         f"(print jax.make_jaxpr(f)(*args) to see them: 'sin', 'dot_general', 'while', "
         f"...), which are not always the names of the jax.numpy or jax.lax functions. "
-        f"For a primitive of your own, register the Primitive object itself "
-        f"(dispatcher.register_handler(my_primitive, handler)), or create it before "
-        f"registering its name."
+        f"For a primitive of your own (or of a library not imported yet), register "
+        f"the Primitive object itself (dispatcher.register_handler(my_primitive, "
+        f"handler)), or create it (import its module) before registering its name."
     )
 
 
