@@ -8,9 +8,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.experimental import checkify
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kups.checks import CheckFailed, Error, check, checked
+from kups.checks import (
+    CheckFailed,
+    Error,
+    all_checks,
+    automatic_checks,
+    check,
+    checked,
+    div_checks,
+    float_checks,
+    index_checks,
+    nan_checks,
+    user_checks,
+)
 
 _SOURCE = pathlib.Path(__file__).read_text().splitlines()
 
@@ -514,3 +528,495 @@ def test_loops_carry_only_the_checks_inside_them():
     assert error.get() == f"negative entry -5.0 at iteration 4 ({at('scan body')})"
     error = checked(program(4))(jnp.array([1.0, 2.0, -3.0, -4.0, -5.0]))[1]
     assert error.get().startswith("entry 2 is -3.0 (test_checks.py:")
+
+
+# ---------------------------------------------------------------------------
+# Keyword format arguments.
+# ---------------------------------------------------------------------------
+
+
+def test_keyword_format_arguments_take_the_failing_values():
+    def f(xs):
+        def step(total, x):
+            i, value = x
+            total = total + value
+            check(total < 10, "total {total:.1f} at {i}, step {}", value, total=total, i=i)  # kw
+            return total, None
+
+        return lax.scan(step, jnp.float32(0), (jnp.arange(5), xs))[0]
+
+    xs = jnp.array([1.0, 2.0, 3.0, 4.0, 5.0], jnp.float32)
+    error = jax.jit(checked(f))(xs)[1]
+    assert error.get() == f"total 10.0 at 3, step 4.0 at iteration 3 ({at('kw')})"
+    assert error.message == "total 10.0 at 3, step 4.0"
+
+    def with_checkify(xs):
+        def step(total, x):
+            i, value = x
+            total = total + value
+            checkify.check(total < 10, "total {total:.1f} at {i}, step {}", value, total=total, i=i)
+            return total, None
+
+        return lax.scan(step, jnp.float32(0), (jnp.arange(5), xs))[0]
+
+    oracle = jax.jit(checkify.checkify(with_checkify))(xs)[0].get()
+    assert oracle.startswith(error.message)
+
+
+def test_keyword_format_arguments_may_be_pytrees_and_statics():
+    def f(x):
+        check(jnp.all(x > 0), "{name}: {v[values]}", name="x", v={"values": x})
+        return x
+
+    assert checked(f)(jnp.array([1, -2, 3]))[1].message == "x: [ 1 -2  3]"
+
+
+@pytest.mark.parametrize(
+    "msg, args, kwargs, match",
+    [
+        ("{name}", (), {}, r"named field \{name\} but no keyword argument name="),
+        ("{x}", (), {"y": 1.0}, r"no keyword argument x=.*given: y"),
+        ("{x}", (), {"x": 1.0, "y": 2.0}, r"no field for keyword argument y"),
+        ("{} {x}", (1.0,), {}, r"no keyword argument x="),
+    ],
+)
+def test_keyword_format_arguments_that_do_not_match_the_message(msg, args, kwargs, match):
+    def f(x):
+        check(x > 0, msg, *(x * a for a in args), **{k: x * v for k, v in kwargs.items()})
+        return x
+
+    with pytest.raises(ValueError, match=r"check\(.*\) at test_checks.py:\d+: .*" + match):
+        checked(f)(jnp.float32(1.0))
+
+
+# ---------------------------------------------------------------------------
+# Structured fields of Error.
+# ---------------------------------------------------------------------------
+
+
+def test_fields_of_a_passing_error_are_none():
+    error = jax.jit(checked(positive))(jnp.float32(1.0))[1]
+    fields = (error.message, error.iteration, error.shard, error.source, error.kind)
+    assert fields == (None, None, None, None, None)
+
+
+def test_fields_outside_loops_and_shard_map():
+    error = jax.jit(checked(positive))(jnp.float32(-3.0))[1]
+    assert error.message == "x must be positive, got -3.0"
+    assert error.iteration is None and error.shard is None
+    assert error.source == at("positive")
+    assert error.kind == "user"
+
+
+def test_fields_in_nested_loops_and_shard_map(mesh42):
+    def body(block):
+        def outer(carry, row):
+            def inner(state):
+                j, total = state
+                check(total < 20, "total {total}", total=total)  # nested fields
+                return j + 1, total + row[j]
+
+            start = (0, 0.0 * row[0])  # a total that varies over the shards, like row
+            return carry, lax.while_loop(lambda s: s[0] < row.shape[0], inner, start)[1]
+
+        return lax.scan(outer, 0, block)[1][:, None]
+
+    f = jax.shard_map(body, mesh=mesh42, in_specs=P(("x", "y")), out_specs=P(("x", "y")))
+    # 8 shards of one row of 4 entries, rows k*10: row 1 is [10, 10, 10, 10]
+    # (shard x=0, y=1) and reaches 20 after 2 entries.
+    xs = jnp.repeat(jnp.arange(8.0) * 10, 4).reshape(8, 4)
+    _, error = jax.jit(checked(f))(xs)
+    assert error.message == "total 20.0"
+    assert error.iteration == (0, 2)
+    assert error.shard == {"x": 0, "y": 1}
+    assert error.source == at("nested fields")
+    assert error.get() == (
+        f"total 20.0 at iterations 0, 2 (outermost loop first) on shard x=0, y=1 "
+        f"({at('nested fields')})"
+    )
+
+
+@pytest.mark.parametrize("field", ["message", "iteration", "shard", "source", "kind"])
+def test_reading_a_field_of_a_traced_error_is_a_clear_error(field):
+    @jax.jit
+    def run(x):
+        _, error = checked(positive)(x)
+        return getattr(error, field)
+
+    with pytest.raises(TypeError, match=rf"Error\.{field} needs a concrete error.*outside jit"):
+        run(jnp.float32(1.0))
+
+
+def test_fields_of_a_vmapped_error_are_those_of_the_first_failing_element():
+    def f(xs):
+        return lax.scan(step_nonnegative, 0.0, xs)
+
+    errors = jax.vmap(checked(f))(jnp.array([[1.0, 2.0, 3.0], [1.0, -2.0, 3.0], [-1.0, 2.0, 3.0]]))[
+        1
+    ]
+    assert errors.message == "negative entry -2.0"
+    assert errors.iteration == (1,)
+    assert errors.get() == f"negative entry -2.0 at vmap index 1 at iteration 1 ({at('scan body')})"
+
+
+# ---------------------------------------------------------------------------
+# errors=: automatic checks, against jax.experimental.checkify.
+# ---------------------------------------------------------------------------
+
+
+def test_check_kind_sets():
+    assert float_checks == nan_checks | div_checks
+    assert automatic_checks == index_checks | div_checks | nan_checks
+    assert all_checks == automatic_checks | user_checks
+    sets = [user_checks, index_checks, div_checks, nan_checks]
+    assert all(isinstance(s, frozenset) and len(s) == 1 for s in sets)
+    assert len(frozenset().union(*sets)) == 4
+
+
+def gather_at(x, i):
+    return x[jnp.stack([i, 0])]  # gather
+
+
+def dynamic_slice_at(x, i):
+    return x[i]  # dynamic_slice
+
+
+def dynamic_update_at(x, i):
+    return lax.dynamic_update_slice(x, jnp.ones(2), (i,))  # dynamic_update_slice
+
+
+def scatter_at(x, i):
+    return x.at[i].add(1.0)  # scatter-add
+
+
+def set_at(x, i):
+    return x.at[jnp.stack([i, 1])].set(1.0)  # scatter
+
+
+def integer_floor_divide(x, i):
+    return x.astype(jnp.int32) // (i - 2)  # integer division
+
+
+def float_divide(x, i):
+    return x / (i - 2.0)  # float division
+
+
+def log_of(x, i):
+    return jnp.log(x - i)  # log
+
+
+INDEXING = [
+    (gather_at, "gather", "gather"),
+    (dynamic_slice_at, "dynamic_slice", "dynamic_slice"),
+    (dynamic_update_at, "dynamic_update_slice", "dynamic_update_slice"),
+    (scatter_at, "scatter-add", "scatter-add"),
+    (set_at, "scatter", "scatter"),
+]
+EXAMPLES = [
+    *(
+        (fn, index_checks, checkify.index_checks, 3, 7, name, marker)
+        for fn, name, marker in INDEXING
+    ),
+    (integer_floor_divide, div_checks, checkify.div_checks, 3, 2, "div", "integer division"),
+    (float_divide, div_checks, checkify.div_checks, 3, 2, "div", "float division"),
+    (log_of, nan_checks, checkify.nan_checks, 0, 6, "log", "log"),
+]
+
+
+@pytest.mark.parametrize(
+    "fn, errors, oracle_errors, good, bad, primitive, marker",
+    EXAMPLES,
+    ids=[example[-1] for example in EXAMPLES],
+)
+def test_automatic_checks_find_what_checkify_finds(
+    fn, errors, oracle_errors, good, bad, primitive, marker
+):
+    x = jnp.arange(5.0)
+    run = jax.jit(checked(fn, errors=errors))
+    oracle = jax.jit(checkify.checkify(fn, errors=oracle_errors))
+    for i, fails in [(good, False), (bad, True)]:
+        out, error = run(x, jnp.int32(i))
+        oracle_error, oracle_out = oracle(x, jnp.int32(i))
+        np.testing.assert_array_equal(out, oracle_out)  # the program is the same
+        assert (oracle_error.get() is not None) == fails
+        assert (error.get() is not None) == fails
+    assert error.kind == next(iter(errors))
+    assert error.source == at(marker)
+    assert f"'{primitive}'" in error.message
+    # Without the kind asked for, nothing is checked.
+    assert jax.jit(checked(fn))(x, jnp.int32(bad))[1].get() is None
+
+
+@pytest.mark.parametrize(
+    "fn, i, message",
+    [
+        (
+            dynamic_slice_at,
+            7,
+            "out-of-bounds index 7 on axis 0 of an operand of shape (5,) in "
+            "'dynamic_slice' (in bounds: 0 to 4)",
+        ),
+        (
+            dynamic_slice_at,
+            -6,
+            "out-of-bounds index -1 on axis 0 of an operand of shape (5,) in "
+            "'dynamic_slice' (in bounds: 0 to 4)",
+        ),
+        (
+            dynamic_update_at,
+            4,
+            "out-of-bounds index 4 on axis 0 of an operand of shape (5,) in "
+            "'dynamic_update_slice' (in bounds: 0 to 3)",
+        ),
+        (
+            set_at,
+            5,
+            "out-of-bounds index 5 on axis 0 of an operand of shape (5,) in 'scatter' "
+            "(in bounds: 0 to 4)",
+        ),
+    ],
+)
+def test_out_of_bounds_messages(fn, i, message):
+    error = checked(fn, errors=index_checks)(jnp.arange(5.0), jnp.int32(i))[1]
+    assert error.message == message
+
+
+def test_gather_with_several_index_axes_reports_the_first_bad_entry():
+    def f(x, rows, cols):
+        return x[rows, cols]  # two index axes
+
+    x = jnp.zeros((3, 4))
+    ok = checked(f, errors=index_checks)(x, jnp.array([0, 2, 1]), jnp.array([3, 0, 1]))[1]
+    assert ok.get() is None
+    error = checked(f, errors=index_checks)(x, jnp.array([0, 2, 1]), jnp.array([3, 9, 1]))[1]
+    assert error.message == (
+        "out-of-bounds index 9 on axis 1 of an operand of shape (3, 4) in 'gather' "
+        "(in bounds: 0 to 3)"
+    )
+    oracle = checkify.checkify(f, errors=checkify.index_checks)
+    assert oracle(x, jnp.array([0, 2, 1]), jnp.array([3, 9, 1]))[0].get() is not None
+
+
+def test_division_by_zero_names_the_element():
+    error = checked(lambda x, y: x // y, errors=div_checks)(jnp.arange(4), jnp.array([1, 2, 0, 0]))[
+        1
+    ]
+    assert error.message == "division by zero in 'div' (divisor element [2])"
+    assert error.source.startswith("test_checks.py:")  # inside jnp's jitted floor_divide
+
+
+def test_nan_made_from_nan_free_inputs_only():
+    # The NaN is made by `sqrt`, then spreads through `mul` and `add`: only the
+    # first is reported (checkify reports the same one).
+    def f(x):
+        y = jnp.sqrt(x)  # made here
+        return y * 2.0 + 1.0
+
+    x = jnp.array([4.0, -1.0])
+    error = jax.jit(checked(f, errors=nan_checks))(x)[1]
+    assert error.message == "'sqrt' produced a NaN from inputs without NaN"
+    assert error.source == at("made here")
+    oracle = jax.jit(checkify.checkify(f, errors=checkify.nan_checks))(x)[0]
+    assert "sqrt" in oracle.get()
+    # A NaN the program is given is not one it made. (checkify reports the first
+    # operation that reads it.)
+    assert checked(f, errors=nan_checks)(jnp.array([4.0, jnp.nan]))[1].get() is None
+    assert jax.jit(checkify.checkify(f, errors=checkify.nan_checks))(x.at[1].set(jnp.nan))[0].get()
+
+
+def test_nan_checks_skip_integers_and_keys():
+    def f(x, key):
+        return x // 2, jax.random.normal(key, (3,))
+
+    error = checked(f, errors=nan_checks)(jnp.arange(4), jax.random.key(0))[1]
+    assert error.get() is None
+
+
+def test_float_checks_find_division_by_zero_and_nan():
+    def f(x, y):
+        return jnp.log(x) / y
+
+    run = checked(f, errors=float_checks)
+    assert run(jnp.float32(-1.0), jnp.float32(0.0))[1].kind == "nan"  # log runs first
+    assert run(jnp.float32(1.0), jnp.float32(0.0))[1].kind == "div"
+    assert run(jnp.float32(1.0), jnp.float32(2.0))[1].get() is None
+
+
+def test_automatic_checks_through_scan_while_cond_and_jit():
+    @jax.jit
+    def pick(x, i):
+        return lax.cond(i % 2 == 0, lambda: x[i], lambda: -x[i])  # picked
+
+    def f(x, idx):
+        def outer(carry, i):
+            def inner(state):
+                j, total = state
+                return j + 1, total + pick(x, i + j)
+
+            return carry, lax.while_loop(lambda s: s[0] < 2, inner, (0, 0.0))[1]
+
+        return lax.scan(outer, 0, idx)
+
+    x, idx = jnp.arange(5.0), jnp.array([0, 2, 4, 1])
+    error = jax.jit(checked(f, errors=index_checks))(x, idx)[1]
+    # idx 4, second inner step: x[5].
+    assert error.iteration == (2, 1)
+    assert error.source == at("picked")
+    assert error.kind == "index"
+    assert "index 5 on axis 0" in error.message
+    oracle_error = jax.jit(checkify.checkify(f, errors=checkify.index_checks))(x, idx)[0]
+    assert oracle_error.get() is not None
+    assert jax.jit(checked(f, errors=index_checks))(x, idx[:2])[1].get() is None
+
+
+def test_automatic_checks_inside_shard_map(mesh42):
+    def body(block):
+        return jnp.log(block)  # shard log
+
+    f = jax.shard_map(body, mesh=mesh42, in_specs=P("x", "y"), out_specs=P("x", "y"))
+    a = jnp.arange(1.0, 17.0).reshape(4, 4).at[2, 3].set(-1.0).at[3, 0].set(-2.0)
+    error = jax.jit(checked(f, errors=nan_checks))(a)[1]
+    assert error.shard == {"x": 2, "y": 1}
+    assert error.source == at("shard log")
+    oracle = jax.jit(checkify.checkify(f, errors=checkify.nan_checks))(a)[0]
+    assert oracle.get() is not None
+    assert jax.jit(checked(f, errors=nan_checks))(jnp.abs(a))[1].get() is None
+
+
+def test_first_failure_in_order_between_automatic_and_user_checks():
+    def f(x, i):
+        check(i < 10, "i is {}", i)  # user first
+        y = x[i]
+        check(y > 0, "y is {}", y)  # user second
+        return y
+
+    run = checked(f, errors=all_checks)
+    assert run(jnp.arange(5.0), jnp.int32(12))[1].message == "i is 12"
+    assert run(jnp.arange(5.0), jnp.int32(7))[1].kind == "index"
+    assert run(jnp.arange(5.0), jnp.int32(0))[1].source == at("user second")
+
+
+def test_without_user_checks_a_check_is_left_for_an_outer_checked():
+    def f(x):
+        check(x > 0, "x is {}", x)  # left in
+        return jnp.log(x)
+
+    inner = checked(f, errors=nan_checks)
+    assert inner(jnp.float32(-1.0))[1].kind == "nan"
+    outer = checked(lambda x: inner(x)[0])
+    assert outer(jnp.float32(-1.0))[1].source == at("left in")
+
+
+def test_default_errors_leave_the_program_as_it_is():
+    def f(x, i):
+        return jnp.log(x[i] / x[i - 1]) + x.at[i].set(0.0).sum()
+
+    def primitives(fn):
+        return [e.primitive.name for e in jax.make_jaxpr(fn)(jnp.arange(5.0), 2).eqns]
+
+    assert primitives(lambda x, i: checked(f)(x, i)[0]) == primitives(f)
+    assert len(primitives(lambda x, i: checked(f, errors=all_checks)(x, i)[0])) > len(primitives(f))
+
+
+@pytest.mark.parametrize(
+    "errors, exception, match",
+    [
+        ("nan", TypeError, r"frozenset of check kinds"),
+        (["nan"], TypeError, r"frozenset of check kinds"),
+        (frozenset({"nans"}), ValueError, r"unknown check kinds \['nans'\]"),
+    ],
+)
+def test_bad_errors_argument(errors, exception, match):
+    with pytest.raises(exception, match=match):
+        checked(positive, errors=errors)
+
+
+# ---------------------------------------------------------------------------
+# shard_map on multi-axis meshes, and the reduction between shards.
+# ---------------------------------------------------------------------------
+
+
+def rows_below_ten(block):
+    def step(carry, row):
+        check(jnp.all(row < 10), "row max {m} at {c}", m=jnp.max(row), c=carry)  # row check
+        return carry + 1, row * 2
+
+    return lax.scan(step, 0, block)[1]
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"axis_names": frozenset({"x"})}, {"check_vma": False}],
+    ids=["full", "partial-manual", "no-check-vma"],
+)
+def test_check_varying_over_some_mesh_axes(axis_type, options):
+    mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(axis_type,) * 2)
+    f = jax.shard_map(rows_below_ten, mesh=mesh, in_specs=P("x"), out_specs=P("x"), **options)
+    # Shard x=i holds rows 2i, 2i+1 of values 0..31 (4 per row): row 2 (values
+    # 8..11) on x=1 is the first over 10, at its iteration 0; every y holds it.
+    a = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("x")))
+    out, error = jax.jit(checked(f))(a)
+    np.testing.assert_array_equal(out, 2 * jnp.arange(32.0).reshape(8, 4))
+    assert error.message == "row max 11.0 at 0"
+    assert error.iteration == (0,)
+    assert error.shard == ({"x": 1} if "axis_names" in options else {"x": 1, "y": 0})
+    assert error.source == at("row check")
+    assert jax.jit(checked(f))(a - 30)[1].get() is None
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_nested_shard_maps_over_different_axes(axis_type):
+    mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(axis_type,) * 2)
+    # The inner shard_map takes the mesh of its context, where x is already manual.
+    inner = jax.shard_map(
+        rows_below_ten, in_specs=P(None, "y"), out_specs=P(None, "y"), axis_names={"y"}
+    )
+    f = jax.shard_map(inner, mesh=mesh, in_specs=P("x"), out_specs=P("x"), axis_names={"x"})
+    a = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("x")))
+    # Shard (x=1, y=0) holds rows 2, 3 and columns 0, 1: values 8, 9 then 12, 13;
+    # (x=1, y=1) fails earlier, in its iteration 0, but comes later in mesh order.
+    error = jax.jit(checked(f))(a)[1]
+    assert (error.message, error.shard) == ("row max 13.0 at 1", {"x": 1, "y": 0})
+
+
+def test_the_shards_failures_are_combined_in_one_collective(mesh42):
+    f = jax.shard_map(below_ten, mesh=mesh42, in_specs=P("x", "y"), out_specs=P("x", "y"))
+    compiled = jax.jit(checked(f)).lower(jnp.arange(16.0).reshape(4, 4)).compile().as_text()
+    collectives = re.findall(
+        r"= \S+ (all-reduce|all-gather|collective-permute|all-to-all)\(", compiled
+    )
+    assert len(collectives) == 1
+    # The same report as test_shard_map_reports_the_mesh_coordinates.
+    error = jax.jit(checked(f))(jnp.arange(16.0).reshape(4, 4))[1]
+    assert error.get() == f"too big: max 11.0 on shard x=2, y=1 ({at('shard body')})"
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [jnp.float32, jnp.float16, jnp.bfloat16, jnp.int8, jnp.uint32, jnp.bool_, jnp.complex64],
+)
+def test_format_values_of_every_dtype_cross_the_shards_exactly(mesh8, dtype):
+    def body(block):
+        value = block.astype(dtype)
+        check(jnp.all(block < 5), "value {v} of {n}", v=value, n=-block[0])
+        return block
+
+    f = jax.shard_map(body, mesh=mesh8, in_specs=P("i"), out_specs=P("i"))
+    values = jnp.array([0, 1, 2, 3, 6, 7, 5, 4], jnp.float32) * 1.25
+    error = jax.jit(checked(f))(values)[1]
+    # Shard 4 (6 * 1.25 = 7.5) is the first with a value >= 5.
+    assert error.shard == {"i": 4}
+    assert error.message == f"value {np.asarray(values[4:5]).astype(dtype)} of -7.5"
+
+
+def test_several_failing_shards_report_the_first_in_mesh_order(mesh8):
+    def body(block):
+        check(jnp.all(block >= 0), "negative {v}", v=jnp.min(block))
+        return block
+
+    f = jax.shard_map(body, mesh=mesh8, in_specs=P("i"), out_specs=P("i"))
+    for failing in [(7,), (3, 5), (0, 6, 7), (2, 3, 4, 5, 6)]:
+        values = jnp.arange(8.0).at[jnp.array(failing)].set(-1.0 - jnp.array(failing))
+        error = jax.jit(checked(f))(values)[1]
+        assert (error.shard, error.message) == ({"i": failing[0]}, f"negative {-1.0 - failing[0]}")

@@ -785,7 +785,7 @@ def _select(pred: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
     """`new` where `pred`, else `old`. Not `jnp.where`: on an empty array (JAX 0.10.2)
     it returns an operand without joining the varying manual axes, which breaks a
     loop carry inside shard_map."""
-    return lax.select(jnp.broadcast_to(pred, old.shape), jnp.asarray(new, old.dtype), old)
+    return lax.select(jnp.broadcast_to(pred, old.shape), new, old)
 
 
 def _check_handler(
@@ -1122,17 +1122,24 @@ def _scoped(handler: Handler) -> Handler:
     def dispatch(
         interpreter: Interpreter, ctx: _Ctx, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
-        location = _eqn_location(eqn, ctx.enclosing)
-        inside = {
-            site.info
-            for site in _sites_in(jaxprs_in_params(eqn.params), 0, (), ctx.kinds, location)
-        }
-        if not inside:
+        relative = [
+            info
+            for jaxpr in jaxprs_in_params(eqn.params)
+            for info, *_ in _relative_sites(jaxpr, ctx.kinds)
+        ]
+        if not relative:
             return default_primitive_handler(interpreter, ctx, eqn, invals)
+        # Only a body with automatic checks that have no source line of their own
+        # needs this equation's: other bodies keep the context as it was, so that a
+        # function called from several lines is still interpreted once.
+        enclosing = ctx.enclosing
+        if any(_located(info, "") != info for info in relative):
+            enclosing = _eqn_location(eqn, enclosing)
+        inside = {_located(info, enclosing) for info in relative}
         scoped = dataclasses.replace(
             ctx,
             slots=tuple(slot for slot in ctx.slots if slot.site.info in inside),
-            enclosing=location,
+            enclosing=enclosing,
         )
         scoped, outvals = handler(interpreter, scoped, eqn, invals)
         returned = {slot.site: slot for slot in scoped.slots}
