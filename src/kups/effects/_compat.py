@@ -27,6 +27,8 @@ from jax._src.interpreters import partial_eval as _pe
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+# The JAX releases kups is tested with (pyproject.toml declares the same range).
+SUPPORTED_JAX = "0.10.0 to 0.12.x"
 
 # `jit`'s marker for a sharding left to the compiler (in `sharding_impls` in every
 # release kups supports; JAX 0.10 defines it in `named_sharding` and re-exports it).
@@ -150,13 +152,120 @@ def is_var(atom: Any) -> bool:
 # ---------------------------------------------------------------------------
 
 
+# The parameters each control-flow primitive carries in the JAX releases kups
+# supports (0.10.0 to 0.12.x), by name: what its handler reads, rebuilds or passes
+# on. A parameter outside this table is one kups has never seen, so re-binding the
+# equation might drop or misread it: `check_params` stops there instead.
+KNOWN_PARAMS: dict[str, frozenset[str]] = {
+    "jit": frozenset(
+        {
+            "jaxpr",
+            "in_shardings",
+            "out_shardings",
+            "in_layouts",
+            "out_layouts",
+            "donated_invars",
+            "ctx_mesh",
+            "name",
+            "keep_unused",
+            "inline",
+            "compiler_options_kvs",
+        }
+    ),
+    # `num_consts`/`num_carry` up to JAX 0.10; `ft_in`/`ft_out` from 0.11.
+    "scan": frozenset(
+        {"jaxpr", "length", "reverse", "unroll", "num_consts", "num_carry", "ft_in", "ft_out"}
+    ),
+    "while": frozenset({"cond_jaxpr", "cond_nconsts", "body_jaxpr", "body_nconsts"}),
+    # `branches_platforms` on a `lax.platform_dependent` cond (one branch per platform).
+    "cond": frozenset({"branches", "branches_platforms"}),
+    "remat2": frozenset({"jaxpr", "prevent_cse", "differentiated", "policy"}),
+    "custom_jvp_call": frozenset({"call_jaxpr", "jvp_jaxpr_fun", "num_consts", "symbolic_zeros"}),
+    "custom_vjp_call": frozenset(
+        {"call_jaxpr", "fwd_jaxpr_thunk", "num_consts", "bwd", "out_trees", "symbolic_zeros"}
+    ),
+    # `manual_axes` before JAX 0.10.2, `newly_manual_axes` from it.
+    "shard_map": frozenset(
+        {"jaxpr", "mesh", "in_specs", "out_specs", "check_vma", "manual_axes", "newly_manual_axes"}
+    ),
+    "custom_linear_solve": frozenset({"const_lengths", "jaxprs"}),
+    "closed_call": frozenset({"call_jaxpr"}),
+    # A call of a jaxpr, new in JAX 0.11 (what `closed_call` and custom rules emit).
+    "eval_jaxpr": frozenset({"call_jaxpr"}),
+}
+
+
+def check_params(eqn: JaxprEqn) -> None:
+    """Raises if `eqn` carries a parameter that kups does not know for its primitive.
+
+    A JAX release newer than the ones kups supports may add one; re-binding the
+    equation without understanding it could change the program silently.
+    """
+    known = KNOWN_PARAMS.get(eqn.primitive.name)
+    if known is None:
+        return
+    unknown = sorted(set(eqn.params) - known)
+    if unknown:
+        names = ", ".join(repr(name) for name in unknown)
+        raise NotImplementedError(
+            f"kups does not know the parameter(s) {names} of the control-flow primitive "
+            f"'{eqn.primitive.name}' at {source_line(eqn)}, which JAX {jax.__version__} "
+            f"gives it. kups supports JAX {SUPPORTED_JAX}, where '{eqn.primitive.name}' has "
+            f"only {sorted(known)}; re-binding the equation without understanding "
+            f"{names} could change your program, so kups stops here. Use a JAX release in "
+            f"that range, or a kups release that supports JAX {jax.__version__}."
+        )
+
+
+def scan_layout(params: dict[str, Any]) -> tuple[int, int]:
+    """`(num_consts, num_carry)` of a scan equation; the xs follow the carries.
+
+    Up to JAX 0.10 the equation says so in `num_consts` and `num_carry`; from
+    JAX 0.11 on, `ft_in` groups the inputs as `(consts, carry, xs)` flat trees.
+    """
+    if "ft_in" in params:
+        consts, carry, _ = params["ft_in"].unpack()
+        return len(consts), len(carry)
+    return params["num_consts"], params["num_carry"]
+
+
 def scan_params(
     params: dict[str, Any], *, jaxpr: ClosedJaxpr, num_consts: int, num_carry: int
 ) -> dict[str, Any]:
-    """Scan parameters for a new body. JAX 0.10 dropped `linear` and `_split_transpose`."""
-    new = dict(params, jaxpr=jaxpr, num_consts=num_consts, num_carry=num_carry)
-    if "linear" in new:  # JAX < 0.10
-        new["linear"] = (False,) * len(jaxpr.in_avals)
+    """Scan parameters for a new body that takes `num_consts` consts and
+    `num_carry` carries, of which the ones beyond the equation's own are leading
+    (a handler's consts and context carries), and returns extra stacked outputs
+    after the equation's own.
+
+    JAX 0.10 counts them in `num_consts`/`num_carry` (and before 0.10 also had
+    `linear`). From JAX 0.11 on, `ft_in` = `(consts, carry, xs)` and `ft_out` =
+    `(carry, ys)` are flat trees; the equation's own groups are kept as they are
+    (`ys` may be filtered: outputs JAX forwards from `xs` around the scan), with
+    the extra entries beside them.
+    """
+    new = dict(params, jaxpr=jaxpr)
+    if "ft_in" not in params:
+        new.update(num_consts=num_consts, num_carry=num_carry)
+        if "linear" in new:  # JAX < 0.10
+            new["linear"] = (False,) * len(jaxpr.in_avals)
+        return new
+    from jax._src import flattree as _flattree
+
+    def prepend(extra: int, group: Any) -> Any:
+        return _flattree.pack((_flattree.nones(extra), group)) if extra else group
+
+    old_consts, old_carry = scan_layout(params)
+    consts_group, carry_group, xs_group = params["ft_in"].unpack()
+    carry_out_group, ys_group = params["ft_out"].unpack()
+    extra_consts, extra_carry = num_consts - old_consts, num_carry - old_carry
+    extra_ys = len(jaxpr.out_avals) - num_carry - len(ys_group)
+    if min(extra_consts, extra_carry, extra_ys) < 0:
+        raise AssertionError("kups: a rebuilt scan lost consts, carries or outputs")
+    new["ft_in"] = _flattree.pack(
+        (prepend(extra_consts, consts_group), prepend(extra_carry, carry_group), xs_group)
+    )
+    ys = _flattree.pack((ys_group, _flattree.nones(extra_ys))) if extra_ys else ys_group
+    new["ft_out"] = _flattree.pack((prepend(extra_carry, carry_out_group), ys))
     return new
 
 

@@ -31,6 +31,7 @@ DEFAULT_HANDLERS = {
     "custom_vjp_call": default_custom_vjp_handler,
     "custom_vjp_call_jaxpr": default_custom_vjp_handler,
     "closed_call": default_closed_call_handler,
+    "eval_jaxpr": default_closed_call_handler,  # a call of a jaxpr, from JAX 0.11
     "core_call": default_closed_call_handler,
     "call": default_closed_call_handler,
     "shard_map": default_shard_map_handler,

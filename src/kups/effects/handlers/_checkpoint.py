@@ -17,6 +17,7 @@ def default_checkpoint_handler(
 ) -> HandlerResult:
     """Interprets a `jax.checkpoint` body inside a checkpoint with the original
     `policy` and `prevent_cse`, so the rematerialisation boundary stays."""
+    _compat.check_params(eqn)
     spec, ctx_values = split(ctx)
     body = trace_interpreted(interpreter, eqn.params["jaxpr"], spec, name="checkpoint")
     new_params = dict(eqn.params, jaxpr=body.jaxpr)

@@ -25,6 +25,7 @@ def default_cond_handler(
     Every branch must return the same context structure, shapes and dtypes; a
     `ValueError` names the branches and the differing context paths otherwise.
     """
+    _compat.check_params(eqn)
     branches = eqn.params["branches"]
     index, operands = invals[0], invals[1:]
     spec, ctx_values = split(ctx)

@@ -22,6 +22,7 @@ def default_jit_handler(
     never of the context), `keep_unused`, `inline`, compiler options and name are
     kept; the context enters and leaves unsharded and undonated.
     """
+    _compat.check_params(eqn)
     params = eqn.params
     spec, ctx_values = split(ctx)
     body = trace_interpreted(interpreter, params["jaxpr"], spec, name=f"jit {params['name']}")

@@ -26,6 +26,7 @@ def default_custom_linear_solve_handler(
     solve do not reach the solution. Under `jit` the interpreted copy of the solve
     is dead code apart from what the context needs.
     """
+    _compat.check_params(eqn)
     params = eqn.params
     lengths = params["const_lengths"]
     solve = params["jaxprs"].solve

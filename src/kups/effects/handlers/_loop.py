@@ -207,7 +207,7 @@ def _eqn_forwarding(eqn: JaxprEqn) -> list[int | None]:
     """For each output of `eqn`, the index of the input it equals, or `None`."""
     name, params = eqn.primitive.name, eqn.params
     unknown: list[int | None] = [None] * len(eqn.outvars)
-    if name in ("jit", "pjit", "remat2", "checkpoint", "closed_call", "core_call"):
+    if name in ("jit", "pjit", "remat2", "checkpoint", "closed_call", "core_call", "eval_jaxpr"):
         sub = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
     elif name in ("custom_jvp_call", "custom_vjp_call"):
         sub = params["call_jaxpr"]
@@ -226,7 +226,7 @@ def _eqn_forwarding(eqn: JaxprEqn) -> list[int | None]:
             for j, i in enumerate(body)
         ]
     elif name == "scan":
-        num_consts, num_carry = params["num_consts"], params["num_carry"]
+        num_consts, num_carry = _compat.scan_layout(params)
         body = forwarded_inputs(params["jaxpr"])
         return [
             num_consts + j if j < num_carry and body[j] == num_consts + j else None

@@ -62,10 +62,11 @@ def default_scan_handler(
     )
     ```
     """
+    _compat.check_params(eqn)
     if not isinstance(threading, ScanSemantics):
         raise TypeError(f"threading must be a ScanSemantics, got {threading!r}.")
     params = eqn.params
-    num_consts, num_carry = params["num_consts"], params["num_carry"]
+    num_consts, num_carry = _compat.scan_layout(params)
     body_jaxpr = params["jaxpr"]
     arg_avals = arg_avals_of(body_jaxpr)
     consts = invals[:num_consts]

@@ -97,6 +97,7 @@ def default_shard_map_handler(
     replicated is a `ValueError` that points at `reduce_ctx` and
     `declare_ctx_out_specs`.
     """
+    _compat.check_params(eqn)
     params = eqn.params
     mesh, check_vma = params["mesh"], params["check_vma"]
     manual_axes = _compat.shard_map_manual_axes(params)

@@ -48,6 +48,7 @@ def default_while_handler(
       iteration, threading the context, so effects in the condition count
       `trips + 1` times.
     """
+    _compat.check_params(eqn)
     if thread_condition:
         return _while_threading_condition(interpreter, ctx, eqn, invals, initializer, updater)
     params = eqn.params
