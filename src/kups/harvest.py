@@ -89,7 +89,7 @@ MODES = ("strict", "append", "clobber")
 _sow_p = define_effect("kups_sow")
 
 # Where a sown value goes in the result: its scopes, then its name.
-Path = tuple[str, ...]
+_Path = tuple[str, ...]
 
 
 # ---------------------------------------------------------------- sow
@@ -194,29 +194,29 @@ def _check_name(what: str, value: Any) -> None:
         raise TypeError(f"The {what} of a sown value must be a non-empty string, got {value!r}.")
 
 
-def _path_of(eqn: JaxprEqn) -> Path:
+def _path_of(eqn: JaxprEqn) -> _Path:
     return (*eqn.params["scope"], eqn.params["name"])
 
 
-def _show(path: Path) -> str:
+def _show(path: _Path) -> str:
     """A path as users write it in messages: `"scope/name"`."""
     return "/".join(path)
 
 
-def _named(path: Path) -> str:
+def _named(path: _Path) -> str:
     """`name 'x'`, or `name 'x' in scope 'a'` inside `nest`."""
     name, scope = path[-1], path[:-1]
     return f"name {name!r} in scope {_show(scope)!r}" if scope else f"name {name!r}"
 
 
-def _describe(tag: str, path: Path) -> str:
+def _describe(tag: str, path: _Path) -> str:
     return f"kups.harvest: {_named(path)} of tag {tag!r}"
 
 
 # ---------------------------------------------------------------- which sows a call takes
 
 
-def _entries(caller: str, what: str, entries: Any) -> frozenset[Path] | None:
+def _entries(caller: str, what: str, entries: Any) -> frozenset[_Path] | None:
     """`allowlist`/`blocklist` as a set of paths (a name is a path of length 1)."""
     if entries is None:
         return None
@@ -254,8 +254,8 @@ class _Selection:
     """Which sows a `reap`, `plant` or `harvest` call acts on."""
 
     tag: str
-    allowlist: frozenset[Path] | None
-    blocklist: frozenset[Path]
+    allowlist: frozenset[_Path] | None
+    blocklist: frozenset[_Path]
     exclusive: bool
 
     @classmethod
@@ -277,11 +277,11 @@ class _Selection:
             )
         return cls(tag, allowed, blocked, exclusive)
 
-    def takes(self, path: Path) -> bool:
+    def takes(self, path: _Path) -> bool:
         """Whether a sow of this tag at `path` passes the allowlist and blocklist.
         An entry covers the names it is a prefix of (a scope covers its names)."""
 
-        def listed(entries: frozenset[Path]) -> bool:
+        def listed(entries: frozenset[_Path]) -> bool:
             return any(path[: len(entry)] == entry for entry in entries)
 
         if self.allowlist is not None and not listed(self.allowlist):
@@ -326,7 +326,7 @@ class _NameKey:
     print it as `ctx['name' (tag 'tag')]` (`'scope/name'` inside `nest`)."""
 
     tag: str
-    path: Path
+    path: _Path
 
     def __str__(self) -> str:
         return f"[{_show(self.path)!r} (tag {self.tag!r})]"
@@ -339,15 +339,15 @@ class _Reaped:
     context whose leaves are abstract.
     """
 
-    def __init__(self, tag: str, values: Mapping[Path, Any], modes: Mapping[Path, str]):
+    def __init__(self, tag: str, values: Mapping[_Path, Any], modes: Mapping[_Path, str]):
         self.tag = tag
         self.values = dict(values)
         self.modes = dict(modes)
 
-    def sown(self, path: Path, value: Any, mode: str) -> _Reaped:
+    def sown(self, path: _Path, value: Any, mode: str) -> _Reaped:
         return _Reaped(self.tag, {**self.values, path: value}, {**self.modes, path: mode})
 
-    def replace(self, values: Mapping[Path, Any]) -> _Reaped:
+    def replace(self, values: Mapping[_Path, Any]) -> _Reaped:
         """The same paths and modes with other values (for example specs)."""
         return _Reaped(self.tag, values, {path: self.modes[path] for path in values})
 
@@ -382,7 +382,7 @@ class _Planted:
         self,
         tag: str,
         values: Mapping[str, Any],
-        pending: Mapping[Path, tuple[Any, ...]],
+        pending: Mapping[_Path, tuple[Any, ...]],
         loops: tuple[tuple[int, bool], ...],
         counters: tuple[Any, ...],
     ):
@@ -392,14 +392,14 @@ class _Planted:
         self.loops = loops  # (length, reverse) of each enclosing scan, outermost first
         self.counters = counters
 
-    def ops(self, path: Path) -> tuple[Any, ...]:
+    def ops(self, path: _Path) -> tuple[Any, ...]:
         return self.pending.get(path, ())
 
     def replace(
         self,
         *,
         values: Mapping[str, Any] | None = None,
-        pending: Mapping[Path, tuple[Any, ...]] | None = None,
+        pending: Mapping[_Path, tuple[Any, ...]] | None = None,
         loops: tuple[tuple[int, bool], ...] | None = None,
         counters: tuple[Any, ...] | None = None,
     ) -> _Planted:
@@ -430,7 +430,7 @@ jax.tree_util.register_pytree_with_keys(_Planted, _flatten_planted, _unflatten_p
 _MISSING = object()
 
 
-def _lookup(tag: str, values: Mapping[str, Any], path: Path, eqn: JaxprEqn) -> Any:
+def _lookup(tag: str, values: Mapping[str, Any], path: _Path, eqn: JaxprEqn) -> Any:
     """The planted value at `path` (scopes are nested dicts), or `_MISSING`."""
     node: Any = values
     for depth, key in enumerate(path):
@@ -447,14 +447,14 @@ def _lookup(tag: str, values: Mapping[str, Any], path: Path, eqn: JaxprEqn) -> A
     return node
 
 
-def _replace_at(tree: Any, path: Path, new: Any) -> Any:
+def _replace_at(tree: Any, path: _Path, new: Any) -> Any:
     """`tree` (nested dicts) with the entry at `path` replaced by `new`."""
     if not path:
         return new
     return {**tree, path[0]: _replace_at(tree[path[0]], path[1:], new)}
 
 
-def _unused(values: Mapping[str, Any], used: set[Path], prefix: Path = ()) -> list[Path]:
+def _unused(values: Mapping[str, Any], used: set[_Path], prefix: _Path = ()) -> list[_Path]:
     """The paths of `values` that no sow used (a scope counts as a dict of names)."""
     unused = []
     for key, value in values.items():
@@ -469,7 +469,7 @@ def _unused(values: Mapping[str, Any], used: set[Path], prefix: Path = ()) -> li
     return unused
 
 
-def _nested(values: Mapping[Path, Any]) -> dict[str, Any]:
+def _nested(values: Mapping[_Path, Any]) -> dict[str, Any]:
     """Values by path as nested dicts: `{("a", "x"): v}` becomes `{"a": {"x": v}}`."""
     out: dict[str, Any] = {}
     for path in sorted(values):
@@ -484,7 +484,7 @@ def _same_number(a: Any, b: Any) -> bool:
     return bool(a == b or (a != a and b != b))  # NaN is NaN
 
 
-def _init_of(tag: str, path: Path, sows: list[JaxprEqn]) -> JaxprEqn | None:
+def _init_of(tag: str, path: _Path, sows: list[JaxprEqn]) -> JaxprEqn | None:
     """The sow among `sows` that gives `path` its `init`, or `None`."""
     given = [e for e in sows if _path_of(e) == path and e.params["init"] is not None]
     for other in given[1:]:
@@ -564,12 +564,12 @@ class _Reaper:
     def __init__(self, selection: _Selection):
         self.selection = selection
         self.tag = selection.tag
-        self.first_sown: dict[Path, str] = {}
+        self.first_sown: dict[_Path, str] = {}
 
     def sows(self, jaxpr: Jaxpr | ClosedJaxpr) -> list[JaxprEqn]:
         return [eqn for eqn in _sows_in(jaxpr) if self.selection.selects(eqn)]
 
-    def label(self, path: Path) -> str:
+    def label(self, path: _Path) -> str:
         return _describe(self.tag, path)
 
     def interpreter(self, caller: str) -> Interpreter:
@@ -675,7 +675,7 @@ class _Reaper:
         params = eqn.params
         in_condition = self.sows(params["cond_jaxpr"])
         in_loop = [*in_condition, *self.sows(params["body_jaxpr"])]
-        inits: dict[Path, JaxprEqn] = {}
+        inits: dict[_Path, JaxprEqn] = {}
         for sow_eqn in in_loop:
             path, mode = _path_of(sow_eqn), sow_eqn.params["mode"]
             where = f"at {source_line(sow_eqn)}, inside the while_loop at {source_line(eqn)}"
@@ -870,8 +870,8 @@ class _Planter:
         self.selection = selection
         self.tag = selection.tag
         self.consume = consume
-        self.seen: set[Path] = set()  # the paths of the sows it acts on
-        self.left_out: set[Path] = set()  # sows of its tag that allowlist/blocklist leave out
+        self.seen: set[_Path] = set()  # the paths of the sows it acts on
+        self.left_out: set[_Path] = set()  # sows of its tag that allowlist/blocklist leave out
 
     def planted_sows(self, ctx: _Planted, jaxpr: Jaxpr | ClosedJaxpr) -> list[JaxprEqn]:
         return [
@@ -982,7 +982,7 @@ class _Planter:
         self, interpreter: Interpreter, ctx: _Planted, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
         mesh, manual_axes = shard_map_axes(eqn)
-        sows: dict[Path, list[JaxprEqn]] = {}
+        sows: dict[_Path, list[JaxprEqn]] = {}
         for sow_eqn in self.planted_sows(ctx, eqn.params["jaxpr"]):
             sows.setdefault(_path_of(sow_eqn), []).append(sow_eqn)
         if not sows:
@@ -1061,7 +1061,7 @@ def _varying_axes(
     return jax.tree.unflatten(treedef, per_leaf)
 
 
-def _check_axis(tag: str, path: Path, ctx: _Planted, size: int, where: str, eqn: JaxprEqn) -> None:
+def _check_axis(tag: str, path: _Path, ctx: _Planted, size: int, where: str, eqn: JaxprEqn) -> None:
     """The planted value at `path` has `size` entries along its next pending axis."""
     axis = _pending_axes(ctx.ops(path))
     for leaf in jax.tree.leaves(_lookup(tag, ctx.values, path, eqn)):
@@ -1245,8 +1245,11 @@ def harvest(
     **Returns:**
 
     `wrapped(values, *args, **kwargs) -> (out, reaped)`, with `values` as for
-    `plant` and `reaped` as `reap` returns it. `fn` is traced once. `wrapped`
-    can be jitted, vmapped and differentiated.
+    `plant` and `reaped` as `reap` returns it. `fn` is traced once; planting
+    and reaping are two interpretation passes over that one trace (the
+    planter's per-iteration scan counters need a loop updater, which the
+    stacking that reaping uses does not take). `wrapped` can be jitted, vmapped
+    and differentiated.
 
     !!! Example
 
