@@ -8,6 +8,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+import jax.extend.core.primitives
+import jax.lax
 from jax.extend.core import JaxprEqn, Primitive
 
 if TYPE_CHECKING:
@@ -63,17 +65,28 @@ _ALIASES: dict[str, str | tuple[str, ...]] = {
 }
 
 
-def _refresh_primitive_names() -> None:
-    """Adds the names of the default handlers and of every live `Primitive`.
+def _known_primitive_names() -> set[str]:
+    """The names of the default handlers and of the primitives that `jax.lax` and
+    `jax.extend.core.primitives` export: the common names, found in a millisecond."""
+    if not _PRIMITIVE_NAMES:
+        from ._defaults import DEFAULT_HANDLERS
+
+        _PRIMITIVE_NAMES.update(DEFAULT_HANDLERS)
+        for module in (jax.extend.core.primitives, jax.lax):
+            for value in vars(module).values():
+                if isinstance(value, Primitive):
+                    _PRIMITIVE_NAMES.add(value.name)
+    return _PRIMITIVE_NAMES
+
+
+def _add_live_primitive_names() -> None:
+    """Adds the names of every live `Primitive`.
 
     JAX has no public list of its primitives, and primitives of libraries, of
     `define_effect` and of users are created at any time: the live objects are
-    the complete list. Scanning them takes some milliseconds, so it is done only
-    when a name is not known yet.
+    the complete list. Scanning them takes tens of milliseconds, so it is done
+    only when a name is not known yet.
     """
-    from ._defaults import DEFAULT_HANDLERS
-
-    _PRIMITIVE_NAMES.update(DEFAULT_HANDLERS)
     _PRIMITIVE_NAMES.update(
         obj.name
         for obj in gc.get_objects()
@@ -99,9 +112,9 @@ def _suggestions(name: str) -> list[str]:
 
 def _check_primitive_name(name: str) -> None:
     """Raises a `ValueError` if no primitive is named `name`."""
-    if name in _PRIMITIVE_NAMES:
+    if name in _known_primitive_names():
         return
-    _refresh_primitive_names()
+    _add_live_primitive_names()
     if name in _PRIMITIVE_NAMES:
         return
     suggestions = _suggestions(name)
