@@ -52,6 +52,8 @@ from kups.effects import (
 
 __all__ = ["NanReport", "find_nans"]
 
+_REPORTS = ("reaching", "first")
+
 # A shard key larger than any shard's linear index: "no NaN on this shard".
 _NO_SHARD = 2**31 - 1
 
@@ -83,6 +85,11 @@ class _Scope:
     manual_axes: tuple[tuple[Any, int], ...] = ()
     mesh_axes: tuple[tuple[Any, int], ...] = ()
     frame: _Frame | None = None
+    # Used by report="reaching" only: the number of loops around the equation, and
+    # whether the jaxpr being run is passive (it has no floating output, so nothing
+    # it computes can reach one: its equations are only re-bound).
+    loop_depth: int = 0
+    passive: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,17 +212,14 @@ class _Sites:
         self.enclosing: list[tuple[str, int]] = []
 
     def add(self, eqn: JaxprEqn, state: _State) -> int:
+        return self.add_at(eqn, len(state.counters), state.scope)
+
+    def add_at(self, eqn: JaxprEqn, loop_depth: int, scope: _Scope) -> int:
+        """Registers `eqn` as a site inside `loop_depth` loops, in `scope`."""
         location = source_location(eqn) or (self.enclosing[-1] if self.enclosing else None)
         file, line = location if location is not None else (None, None)
         self.sites.append(
-            _Site(
-                eqn.primitive.name,
-                file,
-                line,
-                len(state.counters),
-                state.scope.manual_axes,
-                state.scope.mesh_axes,
-            )
+            _Site(eqn.primitive.name, file, line, loop_depth, scope.manual_axes, scope.mesh_axes)
         )
         return len(self.sites) - 1
 
@@ -529,6 +533,771 @@ def _dispatcher(sites: _Sites) -> Dispatcher:
 
 
 # ---------------------------------------------------------------------------
+# report="reaching": every floating value carries the origin of its NaN/Inf.
+#
+# The origin of a floating value is `(w, info)`: `w` orders creation events (the
+# value of `tick` when the event happened: a per-shard count of the equations
+# that could create one), `_FINE` if the value is finite, `_UNKNOWN` if it may
+# hold a NaN or Inf that no equation of the program created (an argument);
+# `info` is `[2 * site + is_nan, shard, iteration of each loop...]` of the
+# event. An equation's floating output is checked with `isfinite`: finite, its
+# origin is `_FINE` (a NaN that a `where`, a slice or an overwrite dropped is
+# forgotten); otherwise it inherits the earliest origin of its inputs, or is a
+# new event here when no input held a NaN or Inf with an origin. Equations that
+# cannot change whether a value is finite (reshapes, transposes, negation, ...)
+# pass the origin on with no check, and values computed from constants alone
+# carry none.
+# ---------------------------------------------------------------------------
+
+_FINE = np.int32(2**31 - 1)  # w of a finite value
+_UNKNOWN = np.int32(2**31 - 2)  # w of a value that may hold a NaN/Inf of no site
+
+
+class _Marker:
+    """A static origin: `_DATA` (a value that is not floating, computed from the
+    arguments), `_EXTERNAL` (a floating argument: it may hold a NaN/Inf that no
+    equation made), `_FINITE` (a floating value known to be finite)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+_DATA = _Marker("data")
+_EXTERNAL = _Marker("external")
+_FINITE = _Marker("finite")
+
+
+class _Origin:
+    """A traced origin: `w` (int32 scalar) and `info` (int32 vector), see above.
+    `external` (static) says that `w` may be `_UNKNOWN`."""
+
+    def __init__(self, w: Any, info: Any, external: bool) -> None:
+        self.w = w
+        self.info = info
+        self.external = external
+
+
+jax.tree_util.register_pytree_node(
+    _Origin,
+    lambda o: ((o.w, o.info), o.external),
+    lambda external, children: _Origin(*children, external),
+)
+
+
+class _IO:
+    """The origins that cross a sub-program's boundary, in the context: those of
+    its inputs when the handler calls the interpreter, those of its outputs when
+    the interpreter returns. `role` (static) says how they map to the jaxpr's
+    inputs and outputs; `counts` (static) splits them into groups."""
+
+    def __init__(self, role: str, counts: tuple[int, ...], origins: tuple[Any, ...]) -> None:
+        self.role = role
+        self.counts = counts
+        self.origins = origins
+
+    def groups(self) -> list[list[Any]]:
+        parts, start = [], 0
+        for count in self.counts:
+            parts.append(list(self.origins[start : start + count]))
+            start += count
+        return parts
+
+
+jax.tree_util.register_pytree_node(
+    _IO,
+    lambda io: ((io.origins,), (io.role, io.counts)),
+    lambda aux, children: _IO(aux[0], aux[1], children[0]),
+)
+
+
+class _Taint(NamedTuple):
+    """The context of report="reaching".
+
+    - `io`: the origins crossing the boundary of the sub-program being entered
+      or left (`_IO`), else `None`.
+    - `tick`: the count of equations run so far that could create a NaN/Inf.
+    - `pos`: `[0, shard, iteration of each loop...]`, padded with -1 to the
+      deepest loop nesting of the program: a new event's `info` is `pos` plus
+      its site code.
+    - `here`: the current shard's index in the mesh (see `_State.here`).
+    - `scope`: static facts about where the current equation is (`_Scope`).
+    """
+
+    io: Any
+    tick: Any
+    pos: Any
+    here: Any
+    scope: _Scope
+
+
+def _initial_taint() -> _Taint:
+    return _Taint(
+        io=_IO("top", (), ()),
+        tick=np.int32(0),
+        pos=None,
+        here=np.int32(0),
+        scope=_Scope(),
+    )
+
+
+def _is_float_aval(aval: Any) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _float_origin(aval: Any, origin: Any) -> Any:
+    return origin if _is_float_aval(aval) else _DATA
+
+
+# Whether an output is finite exactly when its inputs are (real dtypes only):
+# the origin passes on unchecked.
+_TRANSPARENT = frozenset(
+    {
+        "reshape",
+        "broadcast_in_dim",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "neg",
+        "abs",
+        "copy",
+        "copy_p",
+        "rev",
+        "floor",
+        "ceil",
+        "round",
+        "sin",
+        "cos",
+        "cbrt",
+        "concatenate",
+        "pvary",
+        "pcast",
+        "sharding_constraint",
+        "mesh_cast",
+        "reshard",
+    }
+)
+# Equations that cannot make a NaN/Inf out of finite inputs, but can drop one:
+# their output is checked and inherits its inputs' origin.
+_FILTERS = frozenset(
+    {
+        "select_n",
+        "slice",
+        "dynamic_slice",
+        "gather",
+        "dynamic_update_slice",
+        "scatter",
+        "pad",
+        "max",
+        "min",
+        "reduce_max",
+        "reduce_min",
+        "cummax",
+        "cummin",
+        "clamp",
+        "tanh",
+        "logistic",
+        "erf",
+        "atan",
+        "atan2",
+        "sign",
+        "real",
+        "imag",
+        "top_k",
+    }
+)
+# Output j is operand j, reordered or moved.
+_PER_OPERAND = frozenset({"sort", "device_put", "optimization_barrier"})
+# Collectives: a shard's output depends on other shards' inputs, so the origin
+# is the earliest over the shards.
+_COLLECTIVES = frozenset(
+    {
+        "psum",
+        "psum_invariant",
+        "pmax",
+        "pmin",
+        "ppermute",
+        "pbroadcast",
+        "all_gather",
+        "all_gather_invariant",
+        "all_to_all",
+        "reduce_scatter",
+    }
+)
+
+
+def _all_reduce(op: Callable[..., Any], value: Any) -> Any:
+    if value.ndim == 0:
+        return value
+    return op(value, tuple(range(value.ndim)))
+
+
+def _finite(value: Any) -> Any:
+    """Whether every element of `value` is finite (a traced scalar)."""
+    if jnp.issubdtype(value.dtype, jnp.complexfloating):
+        value = jnp.stack([jnp.real(value), jnp.imag(value)])
+    return _all_reduce(jax.lax.reduce_and, jax.lax.is_finite(value))
+
+
+def _has_nan(value: Any) -> Any:
+    return _all_reduce(jax.lax.reduce_or, jax.lax.ne(value, value))
+
+
+def _earliest(origins: list[_Origin]) -> _Origin:
+    """The origin with the smallest `w` (the first, on ties)."""
+    first = origins[0]
+    for other in origins[1:]:
+        later = jax.lax.lt(other.w, first.w)
+        first = _Origin(
+            jax.lax.min(first.w, other.w),
+            jax.lax.select_n(later, first.info, other.info),
+            first.external or other.external,
+        )
+    return first
+
+
+def _concrete_finite(value: Any) -> bool:
+    """Whether a constant is known (now, while tracing) to be finite."""
+    if isinstance(value, Tracer) or not _is_float(value):
+        return False
+    array = np.asarray(value)
+    # Large closed-over arrays are not copied to the host to find out.
+    return array.size <= 4096 and bool(np.isfinite(array).all())
+
+
+class _TaintInterpreter(Interpreter):
+    """Keeps the origins of the values of each jaxpr being run (a stack of frames,
+    one per nested call), and maps `_IO` onto the jaxpr's inputs and outputs."""
+
+    def __init__(self, dispatcher: Dispatcher, sites: _Sites) -> None:
+        super().__init__(dispatcher, label="find_nans")
+        self.sites = sites
+        self.frames: list[dict[Any, Any]] = []
+
+    def origins_of(self, atoms: Any) -> list[Any]:
+        frame = self.frames[-1]
+        return [None if _is_literal(v) else frame[v] for v in atoms]
+
+    def set_origins(self, atoms: Any, origins: Any) -> None:
+        self.frames[-1].update(zip(atoms, origins, strict=True))
+
+    def __call__(self, closed_jaxpr: Any, ctx: Any, *args: Any) -> tuple[list[Any], Any]:
+        if not isinstance(ctx, _Taint) or ctx.scope.passive:
+            return super().__call__(closed_jaxpr, ctx, *args)
+        jaxpr = closed_jaxpr.jaxpr if isinstance(closed_jaxpr, ClosedJaxpr) else closed_jaxpr
+        if not any(_is_float_aval(v.aval) for v in jaxpr.outvars):
+            # Nothing it computes can reach a floating output (a while_loop's
+            # condition, a function of integers): run it as it is.
+            passive = dataclasses.replace(ctx.scope, passive=True)
+            outs, out_ctx = super().__call__(closed_jaxpr, ctx._replace(scope=passive), *args)
+            return outs, out_ctx._replace(scope=ctx.scope)
+        io = ctx.io
+        origins, ctx = _enter(io, ctx, jaxpr, args)
+        frame: dict[Any, Any] = dict.fromkeys(jaxpr.constvars)
+        frame.update(zip(jaxpr.invars, origins, strict=True))
+        self.frames.append(frame)
+        try:
+            outs, ctx = super().__call__(closed_jaxpr, ctx._replace(io=None), *args)
+        finally:
+            self.frames.pop()
+        out_origins = [None if _is_literal(v) else frame[v] for v in jaxpr.outvars]
+        return outs, ctx._replace(io=_leave(io, ctx, jaxpr, out_origins, outs))
+
+
+def _enter(io: _IO, state: _Taint, jaxpr: Jaxpr, args: Any) -> tuple[list[Any], _Taint]:
+    """The origins of `jaxpr`'s inputs, from the handler's `io`."""
+    avals = [v.aval for v in jaxpr.invars]
+    if io.role == "top":
+        depth = _loop_depth(jaxpr)
+        state = state._replace(pos=np.array([0, 0] + [-1] * depth, np.int32))
+        return [_float_origin(a, _EXTERNAL) for a in avals], state
+    if io.role == "scan":
+        consts, carry, xs, _ = io.groups()
+        xs = [_validated(o, x) for o, x in zip(xs, args[len(consts) + len(carry) :], strict=True)]
+        return [*consts, *carry, *xs], state
+    if io.role == "while":
+        consts, carry = io.groups()
+        return [*consts, *carry], state
+    if io.role == "shard_map":
+        origins, split = io.groups()
+        here = state.here.reshape((1,))
+        state = state._replace(pos=jax.lax.dynamic_update_slice(state.pos, here, (1,)))
+        return [
+            _validated(o, x) if s else o for o, s, x in zip(origins, split, args, strict=True)
+        ], state
+    origins = list(io.origins)
+    if len(origins) != len(avals):
+        # A sub-program that does not take the equation's inputs one to one.
+        return [_float_origin(a, _EXTERNAL) for a in avals], state
+    return origins, state
+
+
+def _leave(io: _IO, state: _Taint, jaxpr: Jaxpr, origins: list[Any], outs: Any) -> _IO:
+    """The `_IO` that tells the handler the origins of `jaxpr`'s outputs."""
+    avals = [v.aval for v in jaxpr.outvars]
+    if io.role == "scan":
+        consts, carry, xs, ys = io.groups()
+        num_carry = len(carry)
+        length = state.pos.shape[0]
+        carry_out = [
+            _as_slot(o, a, length) for o, a in zip(origins[:num_carry], avals, strict=False)
+        ]
+        merged = [
+            _merged_slot(acc, o, a, length)
+            for acc, o, a in zip(ys, origins[num_carry:], avals[num_carry:], strict=True)
+        ]
+        return _IO("scan", io.counts, (*consts, *carry_out, *xs, *merged))
+    if io.role == "while":
+        consts, carry = io.groups()
+        length = state.pos.shape[0]
+        carry_out = [_as_slot(o, a, length) for o, a in zip(origins, avals, strict=True)]
+        return _IO("while", io.counts, (*consts, *carry_out))
+    if io.role == "cond":
+        length = state.pos.shape[0]
+        return _IO(
+            "out", (), tuple(_as_slot(o, a, length) for o, a in zip(origins, avals, strict=True))
+        )
+    return _IO("out", (), tuple(origins))
+
+
+def _validated(origin: Any, value: Any) -> Any:
+    """The origin of a part (a scan's slice, a shard's block) of a value of
+    `origin`: the part may be finite."""
+    if not isinstance(origin, _Origin):
+        return origin
+    return _Origin(jax.lax.select_n(_finite(value), origin.w, _FINE), origin.info, origin.external)
+
+
+def _as_slot(origin: Any, aval: Any, length: int) -> Any:
+    """`origin` as a loop carry or a branch output: traced, and `external`, so that
+    every iteration and every branch give the same structure."""
+    if not _is_float_aval(aval):
+        return _DATA
+    if isinstance(origin, _Origin):
+        return _Origin(origin.w, origin.info, True)
+    w = _FINE if origin is _FINITE else _UNKNOWN
+    return _Origin(w, np.zeros((length,), np.int32), True)
+
+
+def _merged_slot(acc: Any, origin: Any, aval: Any, length: int) -> Any:
+    """A scan's stacked output: the earliest origin over the iterations so far."""
+    if not _is_float_aval(aval):
+        return _DATA
+    return _earliest([acc, _as_slot(origin, aval, length)])
+
+
+def _code_vectors(site: int, pos: Any) -> tuple[Any, Any]:
+    """`info` of a new event of `site` without and with a NaN, before `pos`."""
+    length = pos.shape[0]
+    inf, nan = np.zeros(length, np.int32), np.zeros(length, np.int32)
+    inf[0], nan[0] = 2 * site, 2 * site + 1
+    if not isinstance(pos, (jax.Array, Tracer)):
+        return inf + pos, nan + pos
+    return inf, nan
+
+
+def _new_info(site: int, pos: Any, value: Any) -> Any:
+    inf, nan = _code_vectors(site, pos)
+    code = jax.lax.select_n(_has_nan(value), inf, nan)
+    if isinstance(pos, (jax.Array, Tracer)):
+        code = jax.lax.add(pos, code)
+    return code
+
+
+def _class_of(eqn: JaxprEqn, outval: Any) -> str:
+    name = eqn.primitive.name
+    complex_out = jnp.issubdtype(outval.dtype, jnp.complexfloating)
+    if name in _TRANSPARENT and not complex_out:
+        return "transparent"
+    if name == "convert_element_type":
+        source = eqn.invars[0].aval.dtype
+        target = outval.dtype
+        if (
+            jnp.issubdtype(source, jnp.floating)
+            and jnp.issubdtype(target, jnp.floating)
+            and jnp.finfo(target).max >= jnp.finfo(source).max
+        ):
+            return "transparent"
+    if name in _FILTERS:
+        return "filter"
+    return "create"
+
+
+def _taint_equation(
+    sites: _Sites, interpreter: Any, state: _Taint, eqn: JaxprEqn, invals: list[Any]
+) -> HandlerResult:
+    """The fallback handler of report="reaching": re-binds the equation and gives
+    each output its origin."""
+    outvals = default_primitive_handler(interpreter, state, eqn, invals).outvals
+    if state.scope.passive:
+        return HandlerResult(state, outvals)
+    origins = interpreter.origins_of(eqn.invars)
+    if all(o is None for o in origins):
+        interpreter.set_origins(eqn.outvars, [None] * len(eqn.outvars))
+        return HandlerResult(state, outvals)
+    state, out_origins = _propagate(sites, state, eqn, invals, origins, outvals)
+    interpreter.set_origins(eqn.outvars, out_origins)
+    return HandlerResult(state, outvals)
+
+
+def _propagate(
+    sites: _Sites,
+    state: _Taint,
+    eqn: JaxprEqn,
+    invals: list[Any],
+    origins: list[Any],
+    outvals: list[Any],
+) -> tuple[_Taint, list[Any]]:
+    name = eqn.primitive.name
+    floats_in = [i for i, value in enumerate(invals) if _is_float(value)]
+    out_origins: list[Any] = []
+    site: int | None = None
+    collective = name in _COLLECTIVES and bool(state.scope.manual_axes)
+    across: dict[tuple[int, ...], Any] = {}
+    for j, outval in enumerate(outvals):
+        if not _is_float(outval):
+            out_origins.append(_DATA)
+            continue
+        if np.size(outval) == 0:
+            out_origins.append(_FINITE)
+            continue
+        inputs = [j] if name in _PER_OPERAND else floats_in
+        traced = [origins[i] for i in inputs if isinstance(origins[i], _Origin)]
+        unknown = any(
+            origins[i] is _EXTERNAL
+            or (isinstance(origins[i], _Origin) and origins[i].external)
+            or (origins[i] is None and not _concrete_finite(invals[i]))
+            for i in inputs
+        )
+        kind = "create" if collective else _class_of(eqn, outval)
+        if kind != "create" and not unknown:
+            if not traced:
+                out_origins.append(_FINITE)
+                continue
+            inherited = _earliest(traced)
+            if kind == "filter":
+                w = jax.lax.select_n(_finite(outval), inherited.w, _FINE)
+                inherited = _Origin(w, inherited.info, False)
+            out_origins.append(inherited)
+            continue
+        # It may create a NaN/Inf here.
+        if site is None:
+            site = sites.add_at(eqn, state.scope.loop_depth, state.scope)
+        inherited = _earliest(traced) if traced else None
+        if collective:
+            key = tuple(inputs)
+            if key not in across:
+                across[key] = _across_shards(state, inherited, name, eqn.params)
+            inherited = across[key]
+        fine = _finite(outval)
+        info = _new_info(site, state.pos, outval)
+        if inherited is None:
+            w = jax.lax.select_n(fine, jnp.asarray(state.tick, jnp.int32), _FINE)
+        else:
+            tick = jnp.asarray(state.tick, jnp.int32)
+            w = jax.lax.select_n(fine, jax.lax.min(inherited.w, tick), _FINE)
+            info = jax.lax.select_n(jax.lax.lt(inherited.w, tick), info, inherited.info)
+        out_origins.append(_Origin(w, info, False))
+    if site is not None:
+        # Saturates rather than wrapping around into the reserved values.
+        tick = state.tick
+        if isinstance(tick, (jax.Array, Tracer)):
+            tick = jax.lax.min(tick, np.int32(_UNKNOWN - 2)) + np.int32(1)
+        else:
+            tick = np.int32(min(int(tick), int(_UNKNOWN) - 2) + 1)
+        state = state._replace(tick=tick)
+    return state, out_origins
+
+
+def _collective_axes(params: Any) -> tuple[Any, ...]:
+    axes = params.get("axes", params.get("axis_name", ()))
+    axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+    return tuple(a for a in axes if not isinstance(a, int))
+
+
+def _across_shards(state: _Taint, origin: _Origin | None, name: str, params: Any) -> _Origin:
+    """The earliest of the shards' `origin`s over the collective's axes (the first
+    shard in mesh order on ties): every shard's output may hold any shard's NaN."""
+    del name
+    axes = _collective_axes(params)
+    own = state.here.reshape(())
+    length = state.pos.shape[0]
+    if origin is None:
+        origin = _Origin(_FINE, np.zeros(length, np.int32), False)
+    # `where` on the shard index makes the values varying, as the collectives need.
+    varying = own >= 0
+    w = jnp.where(varying, origin.w, _FINE)
+    info = jnp.where(varying, origin.info, 0)
+    first = _all_axes(jax.lax.pmin, w, axes)
+    candidate = jnp.where(w == first, own, _NO_SHARD)
+    chosen = own == _all_axes(jax.lax.pmin, candidate, axes)
+    info = _all_axes(jax.lax.psum, jnp.where(chosen, info, 0), axes)
+    return _Origin(first, info, origin.external)
+
+
+def _taint_call(
+    interpreter: Any, state: _Taint, eqn: JaxprEqn, invals: list[Any], handler: Handler
+) -> HandlerResult:
+    """A call (`jit`, `checkpoint`, custom derivatives, ...): the body takes the
+    equation's inputs one to one."""
+    origins = interpreter.origins_of(eqn.invars)
+    result = handler(interpreter, state._replace(io=_IO("call", (), tuple(origins))), eqn, invals)
+    return _left(interpreter, state, eqn, result)
+
+
+def _left(interpreter: Any, state: _Taint, eqn: JaxprEqn, result: HandlerResult) -> HandlerResult:
+    """Sets the origins of `eqn`'s outputs from the `_IO` the body left in the
+    context, and puts back the position and scope of `state`."""
+    io = result.ctx.io
+    avals = [v.aval for v in eqn.outvars]
+    if isinstance(io, _IO) and io.role == "out" and len(io.origins) == len(avals):
+        origins = [_float_origin(a, o) for a, o in zip(avals, io.origins, strict=True)]
+    else:
+        # The body was run passively (no floating output) or not at all.
+        origins = [_float_origin(a, _EXTERNAL) for a in avals]
+    interpreter.set_origins(eqn.outvars, origins)
+    ctx = result.ctx._replace(io=None, pos=state.pos, here=state.here, scope=state.scope)
+    return HandlerResult(ctx, result.outvals)
+
+
+def _scan_layout(eqn: JaxprEqn) -> tuple[int, int]:
+    """`(num_consts, num_carry)` of a scan, from the shapes alone (a carry and a
+    const have the same shape outside and inside the body; an `xs` or a `ys`
+    gains the leading `length` axis)."""
+    body = eqn.params["jaxpr"]
+    body = body.jaxpr if isinstance(body, ClosedJaxpr) else body
+    num_carry = 0
+    for outer, inner in zip(eqn.outvars, body.outvars, strict=True):
+        if outer.aval.shape != inner.aval.shape:
+            break
+        num_carry += 1
+    num_unstacked = 0
+    for outer, inner in zip(eqn.invars, body.invars, strict=True):
+        if outer.aval.shape != inner.aval.shape:
+            break
+        num_unstacked += 1
+    return num_unstacked - num_carry, num_carry
+
+
+def _advance(slot: int, carried: _Taint, new: _Taint) -> _Taint:
+    """The loop updater: the loop's iteration counter in `pos` advances."""
+    del carried
+    step = np.zeros(new.pos.shape, np.int32)
+    step[slot] = 1
+    return new._replace(pos=new.pos + step)
+
+
+def _taint_loop(
+    loop_handler: Handler, interpreter: Any, state: _Taint, eqn: JaxprEqn, invals: list[Any]
+) -> HandlerResult:
+    """`scan` and `while`: carries get traced origins; the loop's counter is the
+    next slot of `pos` (-1 outside, so one step starts it at 0)."""
+    if state.scope.passive:
+        return loop_handler(interpreter, state, eqn, invals)
+    origins = interpreter.origins_of(eqn.invars)
+    in_avals = [v.aval for v in eqn.invars]
+    length = state.pos.shape[0]
+    if eqn.primitive.name == "scan":
+        num_consts, num_carry = _scan_layout(eqn)
+        consts = origins[:num_consts]
+        carry = [
+            _as_slot(o, a, length)
+            for o, a in zip(
+                origins[num_consts : num_consts + num_carry],
+                in_avals[num_consts : num_consts + num_carry],
+                strict=True,
+            )
+        ]
+        xs = origins[num_consts + num_carry :]
+        ys = [_as_slot(_FINITE, v.aval, length) for v in eqn.outvars[num_carry:]]
+        io = _IO("scan", (len(consts), len(carry), len(xs), len(ys)), (*consts, *carry, *xs, *ys))
+    else:
+        body = eqn.params["body_jaxpr"]
+        body = body.jaxpr if isinstance(body, ClosedJaxpr) else body
+        num_carry = len(body.outvars)
+        num_body_consts = len(body.invars) - num_carry
+        start = len(eqn.invars) - num_carry - num_body_consts
+        consts = origins[start : start + num_body_consts]
+        carry = [
+            _as_slot(o, a, length)
+            for o, a in zip(
+                origins[start + num_body_consts :],
+                in_avals[start + num_body_consts :],
+                strict=True,
+            )
+        ]
+        io = _IO("while", (len(consts), len(carry)), (*consts, *carry))
+    depth = state.scope.loop_depth
+    slot = 2 + depth
+    step = np.zeros(state.pos.shape, np.int32)
+    step[slot] = 1
+    inner = state._replace(
+        io=io,
+        pos=state.pos + step,
+        scope=dataclasses.replace(state.scope, loop_depth=depth + 1),
+    )
+    result = loop_handler(
+        interpreter, inner, eqn, invals, updater=functools.partial(_advance, slot)
+    )
+    io = result.ctx.io
+    if isinstance(io, _IO) and io.role in ("scan", "while"):
+        if io.role == "scan":
+            _, carry, _, ys = io.groups()
+            io = _IO("out", (), (*carry, *ys))
+        else:
+            _, carry = io.groups()
+            io = _IO("out", (), tuple(carry))
+        result = HandlerResult(result.ctx._replace(io=io), result.outvals)
+    return _left(interpreter, state, eqn, result)
+
+
+def _taint_cond(interpreter: Any, state: _Taint, eqn: JaxprEqn, invals: list[Any]) -> HandlerResult:
+    if state.scope.passive:
+        return default_cond_handler(interpreter, state, eqn, invals)
+    origins = interpreter.origins_of(eqn.invars[1:])
+    inner = state._replace(io=_IO("cond", (), tuple(origins)))
+    return _left(interpreter, state, eqn, default_cond_handler(interpreter, inner, eqn, invals))
+
+
+@functools.lru_cache(maxsize=64)
+def _earliest_shard(manual: tuple[Any, ...]) -> Callable[[_Taint], _Taint]:
+    """`reduce_ctx`: each output's earliest origin over the shards (the first shard
+    in mesh order on ties); the clock goes on from the shard that ran the most."""
+
+    def reduce_ctx(state: _Taint) -> _Taint:
+        own = state.here.reshape(())
+        varying = own >= 0
+
+        def reduce(origin: Any) -> Any:
+            if not isinstance(origin, _Origin):
+                return origin
+            w = jnp.where(varying, origin.w, _FINE)
+            first = _all_axes(jax.lax.pmin, w, manual)
+            candidate = jnp.where(w == first, own, _NO_SHARD)
+            chosen = own == _all_axes(jax.lax.pmin, candidate, manual)
+            info = _all_axes(jax.lax.psum, jnp.where(chosen, origin.info, 0), manual)
+            return _Origin(first, info, origin.external)
+
+        io = state.io
+        io = _IO(io.role, io.counts, tuple(reduce(o) for o in io.origins))
+        return state._replace(
+            io=io,
+            tick=_all_axes(jax.lax.pmax, jnp.where(varying, state.tick, 0), manual),
+            pos=np.zeros(state.pos.shape, np.int32),
+            here=jnp.zeros(state.here.shape, jnp.int32),
+        )
+
+    return reduce_ctx
+
+
+def _taint_shard_map(
+    interpreter: Any, state: _Taint, eqn: JaxprEqn, invals: list[Any]
+) -> HandlerResult:
+    if state.scope.passive:
+        return default_shard_map_handler(interpreter, state, eqn, invals)
+    mesh, manual_set = shard_map_axes(eqn)
+    sizes = dict(mesh.shape)
+    mesh_axes = tuple((name, sizes[name]) for name in mesh.axis_names)
+    manual = tuple(name for name in mesh.axis_names if name in manual_set)
+    names = {name for name, _ in state.scope.manual_axes} | set(manual)
+    scope_axes = tuple((name, size) for name, size in mesh_axes if name in names)
+    origins = interpreter.origins_of(eqn.invars)
+    split = tuple(bool(_spec_names(spec) & set(manual)) for spec in eqn.params["in_specs"])
+    inner = state._replace(
+        io=_IO("shard_map", (len(origins), len(split)), (*origins, *[_Flag(s) for s in split])),
+        here=_shard_indices(state.here, mesh_axes, manual),
+        scope=dataclasses.replace(state.scope, manual_axes=scope_axes, mesh_axes=mesh_axes),
+    )
+
+    def ctx_in_specs(tree: _Taint) -> _Taint:
+        return jax.tree.map(lambda _: P(), tree)._replace(here=P(*manual))
+
+    result = default_shard_map_handler(
+        interpreter,
+        inner,
+        eqn,
+        invals,
+        declare_ctx_in_specs=ctx_in_specs,
+        reduce_ctx=_earliest_shard(manual),
+    )
+    return _left(interpreter, state, eqn, result)
+
+
+class _Flag:
+    """A static boolean inside `_IO` (a Python bool would be a traced leaf)."""
+
+    def __init__(self, value: bool) -> None:
+        self.value = value
+
+    def __bool__(self) -> bool:
+        return self.value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Flag) and other.value == self.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+def _spec_names(spec: Any) -> set[Any]:
+    names: set[Any] = set()
+    for entry in spec if spec is not None else ():
+        if entry is None:
+            continue
+        names.update(entry if isinstance(entry, tuple) else (entry,))
+    return names
+
+
+def _taint_dispatcher(sites: _Sites) -> Dispatcher:
+    dispatcher = default_dispatcher()
+    for name, handler in list(dispatcher.handlers.items()):
+        if name in ("scan", "while", "cond", "shard_map", "custom_linear_solve"):
+            continue
+        dispatcher.register_handler(name, functools.partial(_call_with, handler))
+    dispatcher = (
+        dispatcher.register_handler("scan", functools.partial(_taint_loop, default_scan_handler))
+        .register_handler("while", functools.partial(_taint_loop, default_while_handler))
+        .register_handler("cond", _taint_cond)
+        .register_handler("shard_map", _taint_shard_map)
+        # JAX's solution is kept (see default_custom_linear_solve_handler): the
+        # solve is an equation like any other here.
+        .register_handler("custom_linear_solve", functools.partial(_taint_equation, sites))
+        .register_fallback_handler(functools.partial(_taint_equation, sites))
+    )
+    for name, handler in dispatcher.handlers.items():
+        dispatcher.register_handler(name, _located(sites, handler))
+    return dispatcher
+
+
+def _call_with(
+    handler: Handler, interpreter: Any, state: Any, eqn: JaxprEqn, invals: list[Any]
+) -> HandlerResult:
+    if state.scope.passive:
+        return handler(interpreter, state, eqn, invals)
+    return _taint_call(interpreter, state, eqn, invals, handler)
+
+
+def _reaching_report(state: _Taint, sites: _Sites) -> NanReport:
+    """The report of the earliest origin among the outputs'."""
+    origins = [o for o in state.io.origins if isinstance(o, _Origin)]
+    if not origins:
+        nothing = jnp.int32(-1)
+        depth = 0 if state.pos is None else state.pos.shape[0] - 2
+        iterations = jnp.full((depth,), -1, jnp.int32)
+        return NanReport(nothing, jnp.bool_(False), nothing, iterations, tuple(sites.sites))
+    first = _earliest(origins)
+    found = first.w < _UNKNOWN
+    code = first.info[0]
+    site = jnp.where(found, code // 2, -1)
+    return NanReport(
+        site, found & (code % 2 == 1), first.info[1], first.info[2:], tuple(sites.sites)
+    )
+
+
+# ---------------------------------------------------------------------------
 # The report.
 # ---------------------------------------------------------------------------
 
@@ -724,7 +1493,9 @@ def _unflatten_report(sites: tuple[_Site, ...], children: Any) -> NanReport:
 jax.tree_util.register_pytree_node(NanReport, _flatten_report, _unflatten_report)
 
 
-def find_nans(fn: Callable[..., Any]) -> Callable[..., tuple[Any, NanReport]]:
+def find_nans(
+    fn: Callable[..., Any], *, report: str = "reaching"
+) -> Callable[..., tuple[Any, NanReport]]:
     """Wraps `fn` so that it also reports the first equation that produced a NaN
     or an Inf, and the line of user code that wrote it.
 
@@ -772,12 +1543,26 @@ def find_nans(fn: Callable[..., Any]) -> Callable[..., tuple[Any, NanReport]]:
             f"function itself, not its result: find_nans(f)(x)."
         )
 
+    if report not in _REPORTS:
+        raise ValueError(
+            f"find_nans(fn, report={report!r}): report must be one of "
+            f"{', '.join(repr(r) for r in _REPORTS)}. 'reaching' reports where the first "
+            f"NaN/Inf that reaches an output of fn was made; 'first' reports the first "
+            f"equation whose output holds one, even if it is discarded later."
+        )
+
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, NanReport]:
         sites = _Sites()
-        interpreter = _FramingInterpreter(_dispatcher(sites), label="find_nans")
-        out, state = reinterpret(fn, interpreter)(_initial_state(), *args, **kwargs)
-        report = NanReport(state.site, state.nan, state.shard, state.iterations, tuple(sites.sites))
-        return out, report
+        if report == "first":
+            interpreter = _FramingInterpreter(_dispatcher(sites), label="find_nans")
+            out, state = reinterpret(fn, interpreter)(_initial_state(), *args, **kwargs)
+            found = NanReport(
+                state.site, state.nan, state.shard, state.iterations, tuple(sites.sites)
+            )
+            return out, found
+        taint = _TaintInterpreter(_taint_dispatcher(sites), sites)
+        out, final = reinterpret(fn, taint)(_initial_taint(), *args, **kwargs)
+        return out, _reaching_report(final, sites)
 
     return wrapped
