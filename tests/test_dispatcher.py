@@ -384,3 +384,47 @@ def test_matching_rule_wins_over_fallback():
     np.testing.assert_allclose(out, sin_twice(X), rtol=1e-6)
     assert "sin" not in calls and sorted(set(calls)) == ["add", "cos"]
     assert int(ctx) == 2  # cos and add, by the fallback
+
+
+# ---------------------------------------------------------------------------
+# Names are checked; a dispatcher used to trace warns when changed.
+# ---------------------------------------------------------------------------
+
+
+def test_names_are_checked_but_primitives_are_not():
+    with pytest.raises(ValueError, match="Did you mean 'cos'"):
+        Dispatcher().register_handler("cosine", count_handler)
+    fresh = jax.extend.core.Primitive("kups_test_dispatcher_fresh")
+    assert Dispatcher().register_handler(fresh, count_handler).is_registered(fresh)
+    # Only registration checks: asking about or removing a name never raises.
+    assert not Dispatcher().is_registered("cosine")
+    assert Dispatcher().handler_for("cosine") is None
+
+
+def test_copy_keeps_handlers_and_is_not_marked_as_traced():
+    dispatcher = default_dispatcher().register_handler("sin", count_handler)
+    dispatcher.register_fallback_handler(other_handler)
+    jax.jit(reinterpret(jnp.sin, Interpreter(dispatcher)))(0, X)
+    copy = dispatcher.copy()
+    assert copy.handlers == dispatcher.handlers
+    assert copy.fallback_handler is other_handler
+    assert copy.matching_rules == dispatcher.matching_rules
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        copy.register_handler("sin", other_handler)
+    assert dispatcher.handler_for("sin") is count_handler
+    with pytest.warns(UserWarning, match="dispatcher.copy()"):
+        dispatcher.register_handler("sin", other_handler)
+
+
+def test_vmap_and_grad_of_eager_calls_do_not_mark_the_dispatcher():
+    dispatcher = default_dispatcher().register_handler("sin", count_handler)
+    wrapped = reinterpret(jnp.sin, Interpreter(dispatcher))
+    jax.vmap(wrapped, in_axes=(None, 0))(0, X)
+    jax.grad(lambda x: wrapped(0, x)[0])(0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dispatcher.register_handler("cos", count_handler)
+    jax.make_jaxpr(wrapped)(0, X)  # staging: the jaxpr keeps today's handlers
+    with pytest.warns(UserWarning, match="already used to trace"):
+        dispatcher.register_handler("cos", other_handler)

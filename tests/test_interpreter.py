@@ -1,6 +1,7 @@
 """The interpreter's walk: source info, name stacks, freeing values, consts,
 literals and dropped outputs."""
 
+import functools
 import gc
 import inspect
 import sys
@@ -508,6 +509,11 @@ def test_wrapped_signature_is_the_users_with_a_leading_ctx():
     np.testing.assert_allclose(uses_ctx(None, 2.0, X)[0], 2.0 * X)
     # A callable without a readable signature.
     assert str(inspect.signature(identity_wrap(max))) == "(ctx, /, *args, **kwargs)"
+    # A partial: its remaining parameters, the function's name and doc.
+    partial = identity_wrap(functools.partial(affine, scale=3.0))
+    assert str(inspect.signature(partial)) == "(ctx, /, x, y, *, scale=3.0)"
+    assert partial.__name__ == "affine" and partial.__doc__ == affine.__doc__
+    np.testing.assert_allclose(partial(0, X, X)[0], 4.0 * X)
 
 
 def test_wrapped_equinox_module_reads_its_call_signature():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -100,19 +101,34 @@ def wraps_with_leading(fn: Callable[..., Any], *names: str) -> Callable[[F], F]:
     """
 
     def decorate(wrapper: F) -> F:
-        name = getattr(fn, "__name__", None)
-        qualname = getattr(fn, "__qualname__", None)
-        # A callable object (an equinox.Module, a functools.partial) is named by its type.
-        wrapper.__name__ = name if isinstance(name, str) else type(fn).__name__
-        wrapper.__qualname__ = qualname if isinstance(qualname, str) else type(fn).__qualname__
-        wrapper.__doc__ = getattr(fn, "__doc__", None)
-        wrapper.__module__ = getattr(fn, "__module__", None) or wrapper.__module__
+        wrapper.__name__, wrapper.__qualname__ = _names(fn)
+        described = _unpartial(fn)
+        wrapper.__doc__ = getattr(described, "__doc__", None)
+        wrapper.__module__ = getattr(described, "__module__", None) or wrapper.__module__
         wrapper.__signature__ = signature_with_leading(fn, *names)  # pyright: ignore[reportAttributeAccessIssue]
         if "__wrapped__" in getattr(wrapper, "__dict__", {}):
             del wrapper.__wrapped__  # pyright: ignore[reportAttributeAccessIssue]
         return wrapper
 
     return decorate
+
+
+def _unpartial(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The function a `functools.partial` (nested or not) calls, or `fn`."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
+
+
+def _names(fn: Callable[..., Any]) -> tuple[str, str]:
+    """`(__name__, __qualname__)` of `fn` (of the function a `functools.partial`
+    calls), or else of a callable object's type (an `equinox.Module`)."""
+    fn = _unpartial(fn)
+    name = getattr(fn, "__name__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if isinstance(name, str) and isinstance(qualname, str):
+        return name, qualname
+    return type(fn).__name__, type(fn).__qualname__
 
 
 def missing_leading_argument(
@@ -192,7 +208,7 @@ def reinterpret(fn: Callable[..., Any], interpreter: Interpreter) -> Callable[..
 
     def call(ctx: Ctx, *args: Any, **kwargs: Any) -> tuple[Any, Ctx]:
         if missing_leading_argument(signature, ctx, args, kwargs):
-            name = getattr(fn, "__qualname__", None) or type(fn).__name__
+            name = _names(fn)[1]
             raise TypeError(
                 f"The reinterpreted {name}{signature} was called with "
                 f"{len(args)} positional argument(s) after the context, one fewer than it "
