@@ -1406,9 +1406,36 @@ def test_harvest_oryx_documented_examples():
     assert_tree_close(harvested({"y": 0.0}, 5.0), (1.0, {}))
     assert_tree_close(harvested({}, 1.0), (3.0, {"y": 2.0}))
     assert_tree_close(harvested({}, 5.0), (7.0, {"y": 6.0}))
-    # No sow of the tag is left for an enclosing harvest (or reap).
+    # No sow of the tag is left for an enclosing harvest (nothing to reap, nothing
+    # to plant) or reap.
     assert harvest(harvested, tag="intermediate")({}, {}, 1.0)[1] == {}
+    with raises(ValueError, "['y']", "never sows under tag 'intermediate'"):
+        harvest(harvested, tag="intermediate")({"y": 3.0}, {}, 1.0)
     assert reap(harvested, tag="intermediate")({}, 1.0)[1] == {}
+
+
+def test_harvest_with_nest_scopes_and_a_planted_while_name():
+    def layer(x, trips):
+        def body(state):
+            i, x = state
+            return i + 1, sow(x, tag="t", name="h", mode="clobber") * 2.0
+
+        return sow(lax.while_loop(lambda s: s[0] < trips, body, (0, x))[1], tag="t", name="out")
+
+    def model(x, trips):
+        return nest(layer, scope="b")(nest(layer, scope="a")(x, trips), trips)
+
+    x = jnp.float32(1.0)
+    # "h" is first sown in a while loop without init: reaping it is an error,
+    # planting it is not (a planted value needs no zero-trip value).
+    with raises(ValueError, "name 'h' in scope 'a'", "first sown", "init="):
+        reap(model, tag="t")(x, 2)
+    values = {"a": {"h": 5.0}, "b": {"h": 0.5}}
+    out, reaped = jax.jit(harvest(model, tag="t"))(values, x, 2)
+    # Scope a: two trips of 5 * 2 -> 10; scope b: 0.5 * 2 -> 1.
+    assert_tree_close((out, reaped), (jnp.float32(1.0), {"a": {"out": 10.0}, "b": {"out": 1.0}}))
+    out, reaped = harvest(model, tag="t")({"a": {"h": 5.0, "out": 3.0}, "b": {"h": 0.5}}, x, 0)
+    assert_tree_close((out, reaped), (jnp.float32(3.0), {"b": {"out": 3.0}}))
 
 
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
