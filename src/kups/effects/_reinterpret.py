@@ -69,6 +69,10 @@ def wraps_with_leading(fn: Callable[..., Any], *names: str) -> Callable[[F], F]:
     would read `fn`'s signature (or its arrays) instead of the wrapper's. With no
     `names`, the wrapper takes exactly `fn`'s arguments.
 
+    The wrapper is also a traceback boundary, as JAX's transformations are: an
+    error raised below it (in `fn`, or in a handler) shows the user's frames and
+    none of kups' or JAX's, unless `JAX_TRACEBACK_FILTERING=off`.
+
     **Arguments:**
 
     - `fn`: the wrapped function.
@@ -76,7 +80,8 @@ def wraps_with_leading(fn: Callable[..., Any], *names: str) -> Callable[[F], F]:
 
     **Returns:**
 
-    A decorator that sets these attributes on the wrapper and returns it.
+    A decorator that returns the wrapper with these attributes, as a traceback
+    boundary.
 
     **Example:**
 
@@ -101,6 +106,7 @@ def wraps_with_leading(fn: Callable[..., Any], *names: str) -> Callable[[F], F]:
     """
 
     def decorate(wrapper: F) -> F:
+        wrapper = api_boundary(wrapper)
         wrapper.__name__, wrapper.__qualname__ = _names(fn)
         described = _unpartial(fn)
         wrapper.__doc__ = getattr(described, "__doc__", None)
@@ -235,7 +241,7 @@ def reinterpret(fn: Callable[..., Any], interpreter: Interpreter) -> Callable[..
         out_tree, out_static_part = out_static[0]
         return eqx.combine(jax.tree.unflatten(out_tree, outs), out_static_part), ctx
 
-    return wraps_with_leading(fn, "ctx")(api_boundary(call))
+    return wraps_with_leading(fn, "ctx")(call)
 
 
 def _as_array(value: Any) -> Any:
