@@ -531,14 +531,16 @@ _CONDITIONS: dict[
 class _Slot(eqx.Module):
     """What one check site recorded: zeros until it fails, then the values of the
     format arguments, the loop iterations (outermost first) and the shard
-    coordinates (one per manual mesh axis) of the first failure."""
+    coordinates (one per manual mesh axis) of the first failure. Where there is
+    no loop, shard_map or vmap around the site, that field is `None`: a program
+    with many sites carries no empty arrays."""
 
     site: _Site = eqx.field(static=True)
     failed: jax.Array
     values: tuple[jax.Array, ...]
-    iterations: jax.Array
-    shard: jax.Array
-    batch: jax.Array
+    iterations: jax.Array | None
+    shard: jax.Array | None
+    batch: jax.Array | None
 
     @staticmethod
     def empty(site: _Site) -> _Slot:
@@ -546,10 +548,14 @@ class _Slot(eqx.Module):
             site=site,
             failed=jnp.zeros((), jnp.bool_),
             values=tuple(jnp.zeros(aval.shape, aval.dtype) for aval in site.info.avals),
-            iterations=jnp.zeros((site.num_loops,), jnp.int32),
-            shard=jnp.zeros((len(site.shard_axes),), jnp.int32),
-            batch=jnp.zeros((site.batch_ndim,), jnp.int32),
+            iterations=_zeros(site.num_loops),
+            shard=_zeros(len(site.shard_axes)),
+            batch=_zeros(site.batch_ndim),
         )
+
+
+def _zeros(size: int) -> jax.Array | None:
+    return jnp.zeros((size,), jnp.int32) if size else None
 
 
 class _Ctx(eqx.Module):
@@ -666,11 +672,13 @@ class Error(eqx.Module):
             return _Failure(
                 kind=site.info.kind,
                 message=site.info.format(list(element.values)),
-                iteration=tuple(element.iterations.tolist()) if site.num_loops else None,
-                shard=dict(zip(site.shard_axes, element.shard.tolist(), strict=True))
-                if site.shard_axes
-                else None,
-                vmap_index=(*index, *element.batch.tolist()),
+                iteration=None
+                if element.iterations is None
+                else tuple(element.iterations.tolist()),
+                shard=None
+                if element.shard is None
+                else dict(zip(site.shard_axes, element.shard.tolist(), strict=True)),
+                vmap_index=(*index, *([] if element.batch is None else element.batch.tolist())),
                 source=site.info.location,
             )
         raise AssertionError("kups.checks: the error is failed but no check site failed.")
@@ -748,17 +756,13 @@ class Error(eqx.Module):
 
 
 def _record(
-    ctx: _Ctx, site: _Site, bad: jax.Array, values: Sequence[jax.Array], batch: jax.Array
+    ctx: _Ctx, site: _Site, bad: jax.Array, values: Sequence[jax.Array], batch: jax.Array | None
 ) -> _Ctx:
     """`ctx` with `site`'s slot filled if `bad` and nothing failed before."""
     ctx = ctx.with_sites([site])
     fails = jnp.logical_and(bad, jnp.logical_not(ctx.failed))
-    iterations = jnp.stack(ctx.loops) if ctx.loops else jnp.zeros((0,), jnp.int32)
-    shard = (
-        jnp.stack([lax.axis_index(axis) for axis in ctx.shard_axes])
-        if ctx.shard_axes
-        else jnp.zeros((0,), jnp.int32)
-    )
+    iterations = jnp.stack(ctx.loops) if ctx.loops else None
+    shard = jnp.stack([lax.axis_index(axis) for axis in ctx.shard_axes]) if ctx.shard_axes else None
 
     def fill(slot: _Slot) -> _Slot:
         if slot.site != site:
@@ -781,10 +785,12 @@ def _record(
     )
 
 
-def _select(pred: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
-    """`new` where `pred`, else `old`. Not `jnp.where`: on an empty array (JAX 0.10.2)
-    it returns an operand without joining the varying manual axes, which breaks a
-    loop carry inside shard_map."""
+def _select(pred: jax.Array, new: Any, old: Any) -> Any:
+    """`new` where `pred`, else `old` (`None` stays `None`). Not `jnp.where`: on an
+    empty array (JAX 0.10.2) it returns an operand without joining the varying
+    manual axes, which breaks a loop carry inside shard_map."""
+    if old is None:
+        return None
     return lax.select(jnp.broadcast_to(pred, old.shape), new, old)
 
 
@@ -794,7 +800,7 @@ def _check_handler(
     del interpreter
     pred, *values = invals
     site = _Site(eqn.params["site"], len(ctx.loops), ctx.shard_axes, _batch_ndim(eqn))
-    batch = jnp.zeros((0,), jnp.int32)
+    batch = None
     if site.batch_ndim:  # under vmap (see `_batch_check`): the first failing element
         first = jnp.argmin(pred.reshape(-1))
         values = [value.reshape(-1, *value.shape[site.batch_ndim :])[first] for value in values]
@@ -817,7 +823,7 @@ def _automatic_handler(
     for info in _automatic_checks(eqn, ctx.kinds, ctx.enclosing):
         bad, payload = _CONDITIONS[info.kind](eqn, invals, outvals)
         site = _Site(info, len(ctx.loops), ctx.shard_axes, 0)
-        ctx = _record(ctx, site, bad, payload, jnp.zeros((0,), jnp.int32))
+        ctx = _record(ctx, site, bad, payload, None)
     return HandlerResult(ctx, outvals)
 
 
