@@ -972,8 +972,15 @@ def test_nested_shard_maps_over_different_axes(axis_type):
     inner = jax.shard_map(
         rows_below_ten, in_specs=P(None, "y"), out_specs=P(None, "y"), axis_names={"y"}
     )
-    f = jax.shard_map(inner, mesh=mesh, in_specs=P("x"), out_specs=P("x"), axis_names={"x"})
+
+    def outer(block):
+        if axis_type == AxisType.Explicit:  # JAX 0.12 wants the sharding in_specs names
+            block = jax.sharding.reshard(block, P(None, "y"))
+        return inner(block)
+
+    f = jax.shard_map(outer, mesh=mesh, in_specs=P("x"), out_specs=P("x"), axis_names={"x"})
     a = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("x")))
+    np.testing.assert_array_equal(jax.jit(checked(f))(a)[0], jax.jit(f)(a))
     # Shard (x=1, y=0) holds rows 2, 3 and columns 0, 1: values 8, 9 then 12, 13;
     # (x=1, y=1) fails earlier, in its iteration 0, but comes later in mesh order.
     error = jax.jit(checked(f))(a)[1]
