@@ -788,15 +788,22 @@ def add_hundred_at_sin(interpreter, ctx, eqn, invals):
     return HandlerResult(ctx + 100, [jnp.sin(invals[0])])
 
 
+def add_one_at_cos(interpreter, ctx, eqn, invals):
+    return HandlerResult(ctx + 1, [jnp.cos(invals[0])])
+
+
 def test_changing_a_dispatcher_after_it_traced_under_jit():
     dispatcher = default_dispatcher().register_handler("sin", add_one_at_sin)
     # Eager use caches nothing: changing the dispatcher then is silent.
     reinterpret(jnp.sin, Interpreter(dispatcher))(0, X)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        dispatcher.register_handler("sin", add_one_at_sin)
+        dispatcher.register_handler("cos", add_one_at_cos)
     jitted = jax.jit(reinterpret(jnp.sin, Interpreter(dispatcher)))
     assert int(jitted(0, X)[1]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dispatcher.register_handler("sin", add_one_at_sin)  # the same handler: no change
     with pytest.warns(UserWarning, match="already used to trace") as record:
         dispatcher.register_handler("sin", add_hundred_at_sin)
     message = str(record[0].message)
@@ -808,10 +815,10 @@ def test_changing_a_dispatcher_after_it_traced_under_jit():
     fresh = dispatcher.copy()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        fresh.register_handler("cos", add_one_at_sin)
+        fresh.unregister_handler("cos")  # a change, silent on a copy
     assert int(jax.jit(reinterpret(jnp.sin, Interpreter(fresh)))(0, X)[1]) == 100
     for change in (
-        lambda: dispatcher.unregister_handler("sin"),
+        lambda: dispatcher.unregister_handler("cos"),
         lambda: dispatcher.register_fallback_handler(None),
         lambda: dispatcher.register_custom_matching_rule(lambda ctx, eqn, invals: False),
     ):

@@ -214,7 +214,8 @@ class Dispatcher:
             )
         if isinstance(prim, str):
             _check_primitive_name(prim)
-        self._changing(f"register_handler({key!r}, ...)")
+        if self._handlers.get(key) is not handler:
+            self._changing(f"register_handler({key!r}, ...)")
         self._handlers[key] = handler
         return self
 
