@@ -913,10 +913,11 @@ def _class_of(eqn: JaxprEqn, outval: Any) -> str:
     if name in _TRANSPARENT and not complex_out:
         return "transparent"
     if name == "convert_element_type":
-        source = eqn.invars[0].aval.dtype
+        source = getattr(eqn.invars[0].aval, "dtype", None)
         target = outval.dtype
         if (
-            jnp.issubdtype(source, jnp.floating)
+            source is not None
+            and jnp.issubdtype(source, jnp.floating)
             and jnp.issubdtype(target, jnp.floating)
             and jnp.finfo(target).max >= jnp.finfo(source).max
         ):
@@ -1063,6 +1064,10 @@ def _left(interpreter: Any, state: _Taint, eqn: JaxprEqn, result: HandlerResult)
     return HandlerResult(ctx, result.outvals)
 
 
+def _shape(atom: Any) -> tuple[int, ...]:
+    return tuple(getattr(atom.aval, "shape", ()))
+
+
 def _scan_layout(eqn: JaxprEqn) -> tuple[int, int]:
     """`(num_consts, num_carry)` of a scan, from the shapes alone (a carry and a
     const have the same shape outside and inside the body; an `xs` or a `ys`
@@ -1071,12 +1076,12 @@ def _scan_layout(eqn: JaxprEqn) -> tuple[int, int]:
     body = body.jaxpr if isinstance(body, ClosedJaxpr) else body
     num_carry = 0
     for outer, inner in zip(eqn.outvars, body.outvars, strict=True):
-        if outer.aval.shape != inner.aval.shape:
+        if _shape(outer) != _shape(inner):
             break
         num_carry += 1
     num_unstacked = 0
     for outer, inner in zip(eqn.invars, body.invars, strict=True):
-        if outer.aval.shape != inner.aval.shape:
+        if _shape(outer) != _shape(inner):
             break
         num_unstacked += 1
     return num_unstacked - num_carry, num_carry
@@ -1091,7 +1096,11 @@ def _advance(slot: int, carried: _Taint, new: _Taint) -> _Taint:
 
 
 def _taint_loop(
-    loop_handler: Handler, interpreter: Any, state: _Taint, eqn: JaxprEqn, invals: list[Any]
+    loop_handler: Callable[..., HandlerResult],
+    interpreter: Any,
+    state: _Taint,
+    eqn: JaxprEqn,
+    invals: list[Any],
 ) -> HandlerResult:
     """`scan` and `while`: carries get traced origins; the loop's counter is the
     next slot of `pos` (-1 outside, so one step starts it at 0)."""
