@@ -507,6 +507,15 @@ def test_wrapped_signature_is_the_users_with_a_leading_ctx():
     uses_ctx = identity_wrap(lambda ctx, x: ctx * x)
     assert str(inspect.signature(uses_ctx)) == "(ctx_, /, ctx, x)"
     np.testing.assert_allclose(uses_ctx(None, 2.0, X)[0], 2.0 * X)
+
+    # The wrapper returns (out, ctx): the user's return annotation is not its own.
+    def annotated(x: jax.Array) -> jax.Array:
+        return x
+
+    signature = inspect.signature(identity_wrap(annotated))
+    assert list(signature.parameters) == ["ctx", "x"]
+    assert signature.parameters["x"].annotation is jax.Array
+    assert signature.return_annotation is inspect.Signature.empty
     # A callable without a readable signature.
     assert str(inspect.signature(identity_wrap(max))) == "(ctx, /, *args, **kwargs)"
     # A partial: its remaining parameters, the function's name and doc.

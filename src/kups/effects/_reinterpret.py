@@ -34,6 +34,7 @@ def signature_with_leading(fn: Callable[..., Any], *names: str) -> inspect.Signa
 
     A leading name that clashes with one of `fn`'s parameters gets underscores
     appended. When `fn`'s signature cannot be read, `(*names, /, *args, **kwargs)`.
+    The return annotation is left out.
     """
     signature = user_signature(fn)
     if signature is None:
@@ -51,10 +52,8 @@ def signature_with_leading(fn: Callable[..., Any], *names: str) -> inspect.Signa
             name += "_"
         taken.add(name)
         leading.append(inspect.Parameter(name, _POSITIONAL_ONLY))
-    return_annotation = (
-        inspect.Signature.empty if signature is None else signature.return_annotation
-    )
-    return inspect.Signature([*leading, *rest], return_annotation=return_annotation)
+    # No return annotation: a wrapper returns something else than `fn` (`(out, ctx)`).
+    return inspect.Signature([*leading, *rest])
 
 
 def wraps_with_leading(fn: Callable[..., Any], *names: str) -> Callable[[F], F]:
