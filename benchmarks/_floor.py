@@ -7,8 +7,9 @@ below is the smallest interpreter that does walk them: `eval_jaxpr`'s loop, plus
 one re-trace per sub-jaxpr (`jit`, `scan`, `while`, `cond`, `checkpoint`), with
 nothing threaded through. On a straight-line program it is `eval_jaxpr`.
 
-It uses JAX internals (the same `trace_to_jaxpr_dynamic` kups uses); it is a
-measuring stick for the benchmarks, not library code.
+It traces with kups' own adapter of JAX's internals (`kups.effects._compat`,
+the same tracing kups uses); it is a measuring stick for the benchmarks, not
+library code.
 """
 
 from __future__ import annotations
@@ -17,17 +18,14 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from jax._src import api_util, source_info_util
-from jax._src import core as jax_core
-from jax._src import linear_util as lu
-from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from kups.effects import _compat
 
 
 def _trace(jaxpr: Jaxpr, consts: Sequence[Any], in_avals: Sequence[Any]) -> ClosedJaxpr:
     fn = functools.partial(retrace, jaxpr, consts)
-    debug = api_util.debug_info("floor", fn, tuple(in_avals), {})
-    new, _, new_consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fn, debug_info=debug), in_avals)
+    new, _, new_consts = _compat.trace_to_jaxpr(fn, in_avals, "floor")
     return ClosedJaxpr(new, new_consts)
 
 
@@ -61,7 +59,7 @@ def retrace(jaxpr: Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:
     """`jax.core.eval_jaxpr`, re-tracing the sub-programs of control flow."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
-    last_used = jax_core.last_used(jaxpr)
+    last_used = _last_used(jaxpr)
 
     def read(v: Any) -> Any:
         return v.val if type(v) is Literal else env[v]
@@ -69,9 +67,9 @@ def retrace(jaxpr: Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:
     for eqn in jaxpr.eqns:
         params = _retraced_params(eqn.primitive.name, eqn.params)
         bind_params = eqn.primitive.get_bind_params(params)
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        name_stack = _compat.current_name_stack() + eqn.source_info.name_stack
         with (
-            source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+            _compat.user_context(eqn.source_info.traceback, name_stack=name_stack),
             eqn.ctx.manager,
         ):
             ans = eqn.primitive.bind(*map(read, eqn.invars), **bind_params)
@@ -79,5 +77,20 @@ def retrace(jaxpr: Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:
             env.update(zip(eqn.outvars, ans, strict=True))
         else:
             env[eqn.outvars[0]] = ans
-        jax_core.clean_up_dead_vars(eqn, env, last_used)
+        for v in eqn.invars:
+            if type(v) is not Literal and last_used.get(v) is eqn:
+                del env[v]
     return [read(v) for v in jaxpr.outvars]
+
+
+def _last_used(jaxpr: Jaxpr) -> dict[Any, Any]:
+    """For each variable, the equation that reads it last (`None`: an output)."""
+    last: dict[Any, Any] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if type(v) is not Literal:
+                last[v] = eqn
+    for v in jaxpr.outvars:
+        if type(v) is not Literal:
+            last[v] = None
+    return last

@@ -57,7 +57,7 @@ def program(x: Any) -> Any:
 
 def _variant(name: str) -> Callable[[Any], Any]:
     import jax
-    from jax._src import core as jax_core
+    import jax.core as jax_core
     from jax.extend.core import Literal
 
     from kups.effects import Interpreter, default_dispatcher, reinterpret

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.core as jax_core
 import jax.numpy as jnp
-from jax._src import core as jax_core
 
 from kups.effects import Interpreter, default_dispatcher, reinterpret
 
