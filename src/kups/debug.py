@@ -1,19 +1,28 @@
-"""`find_nans`: the first equation of a program that produced a NaN or an Inf.
+"""`find_nans`: where a program made the NaN or Inf that matters.
 
-A fallback handler re-binds every equation that is not control flow and checks
-its floating outputs with `isfinite`, unless all its inputs are constants of
-the program (tracked per jaxpr, and per call site into `jit` bodies). Each checked equation is a *site*,
-registered on the Python side while tracing (primitive, source line, loops and
-manual mesh axes around it); the context records the index of the first site
-that failed, the loop iterations at that moment and the shard. Loops push an
-iteration counter (advanced by the loop handlers' `updater`); the record's
-iteration vector is padded to the deepest loop nesting inside a loop or `cond`
-before it is entered, so that loop carries and branches keep one shape. A
-`shard_map` body starts with an empty record and hands out the record made
-first, by each shard's count of equations run (ties go to the first shard in
-mesh order). The context carries each shard's index
-in the mesh as a value sharded into the body, so that no `axis_index` is needed
-(JAX before 0.10.2 cannot lower one inside a nested `shard_map`).
+Two reports share the sites (the equations that can be reported, registered on
+the Python side while tracing: primitive, source line, loops and manual mesh
+axes around them) and `NanReport`.
+
+`report="first"`: a fallback handler re-binds every equation that is not
+control flow and checks its floating outputs with `isfinite`, unless all its
+inputs are constants of the program (tracked per jaxpr, and per call site into
+`jit` bodies); the context records the index of the first site that failed, the
+loop iterations at that moment and the shard. Loops push an iteration counter
+(advanced by the loop handlers' `updater`); the record's iteration vector is
+padded to the deepest loop nesting inside a loop or `cond` before it is
+entered, so that loop carries and branches keep one shape. A `shard_map` body
+starts with an empty record and hands out the record made first, by each
+shard's count of equations run (ties go to the first shard in mesh order). The
+context carries each shard's index in the mesh as a value sharded into the
+body, so that no `axis_index` is needed (JAX before 0.10.2 cannot lower one
+inside a nested `shard_map`).
+
+`report="reaching"`: every floating value carries an origin (two int32 arrays:
+when its NaN/Inf was made, and the site, iterations and shard where), kept per
+jaxpr on the Python side; see the section of that name below. Origins cross
+sub-program boundaries in the context (`_IO`), become loop carries, and are
+reduced over the shards of a `shard_map` like the "first" record.
 """
 
 from __future__ import annotations
@@ -1312,7 +1321,9 @@ def _reaching_report(state: _Taint, sites: _Sites) -> NanReport:
 
 
 class NanReport:
-    """Where a program first produced a NaN or an Inf.
+    """Where a program made the NaN or Inf that `find_nans` reports: with
+    `report="reaching"` the first one that reaches an output, with
+    `report="first"` the first one made anywhere.
 
     `find_nans` returns one. It is a pytree, so a `find_nans` function can be
     jitted and its report returned; read its properties on concrete values,
@@ -1321,15 +1332,17 @@ class NanReport:
 
     **Properties:**
 
-    - `found`: whether any equation produced a NaN or an Inf (a traced boolean
-      inside `jax.jit`, the only property that can be read there).
-    - `primitive`: the name of the first such equation's primitive, or `None`.
+    - `found`: whether an equation made a NaN or an Inf (that reaches an output,
+      for `"reaching"`); a traced boolean inside `jax.jit`, the only property
+      that can be read there.
+    - `primitive`: the name of that equation's primitive, or `None`.
     - `source`: `"file.py:LINE"` of the user's code that produced it, or `None`.
       When JAX kept no user frame for the equation (a `jnp` function passed as
       it is, as in `lax.cond(p, jnp.log, ...)`), the line of the innermost
       control-flow call around it.
     - `path`: the full path of the file of `source`, or `None`.
-    - `kind`: `"nan"` or `"inf"` (`"nan"` if the outputs hold both), or `None`.
+    - `kind`: `"nan"` or `"inf"`: what that equation made (`"nan"` if its
+      outputs hold both), even if it became a NaN later (`inf - inf`); or `None`.
     - `iterations`: the iteration (0-based, in execution order, also for
       `reverse=True`) of each `scan`, `fori_loop` or `while_loop` around it,
       outermost first; `()` outside loops. An equation of a `while_loop`'s
@@ -1337,9 +1350,10 @@ class NanReport:
       before any iteration, reports 0 too).
     - `iteration`: the innermost of `iterations`, or `None`.
     - `shard`: `{axis: coordinate}` over the manual mesh axes of the
-      `shard_map`s around it: the shard where the NaN or Inf appeared first
-      (counted in equations run; among shards that produced theirs at the same
-      equation, the first in mesh order); `None` outside `shard_map`.
+      `shard_map`s around it: the shard that made it (among shards that made
+      theirs at the same point, counted in equations run, the first in mesh
+      order; a NaN that a collective spreads is reported on the shard that made
+      it); `None` outside `shard_map`.
 
     Values computed from constants alone (literals, closed-over arrays, and what
     is computed from them, such as the NaN `jnp.var` builds for an empty reduction
@@ -1505,23 +1519,36 @@ jax.tree_util.register_pytree_node(NanReport, _flatten_report, _unflatten_report
 def find_nans(
     fn: Callable[..., Any], *, report: str = "reaching"
 ) -> Callable[..., tuple[Any, NanReport]]:
-    """Wraps `fn` so that it also reports the first equation that produced a NaN
-    or an Inf, and the line of user code that wrote it.
+    """Wraps `fn` so that it also reports where a NaN or an Inf was made, and the
+    line of user code that wrote it.
 
-    Every floating output of every equation is checked, in execution order,
-    through `jit`, `scan`, `while_loop`, `cond`/`switch`, `checkpoint`, custom
-    derivatives and `shard_map`. Only the first equation whose output holds a
-    NaN or Inf is reported: a NaN flowing into later equations does not move the
-    report. Integer outputs are not checked. Inside a loop the report says which
-    iteration, inside a `shard_map` on which shard (the one where it appeared
-    first: a NaN that a collective spreads to other shards is reported where it
-    was made). Everything computed is checked, also values that are
-    discarded later (such as the untaken side of `jnp.where`).
+    Every floating value of the program is followed, through `jit`, `scan`,
+    `while_loop`, `cond`/`switch`, `checkpoint`, custom derivatives and
+    `shard_map`. Integer values are not checked. Inside a loop the report says
+    which iteration, inside a `shard_map` on which shard.
+
+    With `report="reaching"` (the default), the report is the equation that made
+    the first NaN or Inf that is still there in an output of `fn`. A NaN that the
+    program throws away on purpose (the untaken side of a `jnp.where`, a masked
+    value, an Inf-filled buffer that is overwritten later, a comparison's
+    operand) is forgotten where it is thrown away: libraries such as jax-md
+    (`safe_mask`) and diffrax make those on purpose. A NaN is forgotten only
+    where it really disappears: `NaN * 0` is NaN. Each value carries the origin
+    of its NaN/Inf, so a NaN made at step 37 of a scan and carried to the output
+    is reported at step 37, even if the same line made discarded Infs in every
+    step before; a NaN that a collective spreads to other shards is reported on
+    the shard that made it. A NaN already in the arguments (or a constant of the
+    program) is reported at the first equation that computes with it.
+
+    With `report="first"`, the report is the first equation, in execution order,
+    whose output holds a NaN or an Inf, discarded later or not (what
+    `jax.experimental.checkify`'s `nan_checks` reports, and Infs too).
 
     **Arguments:**
 
     - `fn`: the function to check. Its arguments are pytrees; leaves that are not
       arrays are static.
+    - `report`: `"reaching"` or `"first"`, as above.
 
     **Returns:**
 
@@ -1532,18 +1559,26 @@ def find_nans(
     **Example:**
 
     ```python
+    import jax
     import jax.numpy as jnp
     from kups.debug import find_nans
 
 
     def f(x):
-        y = jnp.log(x)  # log(-1) is NaN
-        return y * 2
+        safe = jnp.where(x > 0, jnp.log(x), 0.0)  # log(-1) is NaN, dropped
+        return safe + jnp.sqrt(x + 0.5)  # sqrt(-0.5) is NaN, returned
 
 
-    out, report = find_nans(f)(jnp.array(-1.0))
-    assert report.found and report.primitive == "log"
-    print(report.source)  # the file and line of `jnp.log(x)`
+    out, report = find_nans(f)(jnp.array([2.0, -1.0]))
+    assert report.primitive == "sqrt"
+    print(report.source)  # the file and line of `jnp.sqrt(x + 0.5)`
+    _, first = find_nans(f, report="first")(jnp.array([2.0, -1.0]))
+    assert first.primitive == "log"
+
+    # The naive where is quiet, its gradient is not: 0 / 0 in log's derivative.
+    grad = jax.grad(lambda x: jnp.where(x > 0, jnp.log(x), 0.0).sum())
+    _, report = find_nans(grad)(jnp.array([1.0, 0.0]))
+    assert report.primitive == "div"
     ```
     """
     if not callable(fn):
