@@ -23,7 +23,11 @@ carries, xs, `reverse`, `unroll`, zero length, `length` without xs),
 (`scatter-add`, generic `reduce`, `reduce_window`, `sort`), random numbers,
 integer and boolean dtypes, `shard_map` on a 4x2 mesh (full and partial
 manual, `check_vma` on and off, collectives in the body, nested with `scan`),
-and `pmap`.
+`pmap`, and explicit sharding on the same mesh with Explicit axes (`reshard`,
+`auto_axes` and `explicit_axes` regions, `out_sharding=` of jnp ops,
+`shard_map` full and partial manual, `scan`/`while`/`cond` and `jit` with
+in/out shardings on sharded values, nested, and bare `PartitionSpec`s under
+`jax.set_mesh`).
 
 Conventions every case follows, so that generic drivers can use it:
 
@@ -41,6 +45,8 @@ Conventions every case follows, so that generic drivers can use it:
   with respect to the floating-point array arguments works in plain JAX.
   `differentiable(case)` also requires that the case has floating-point
   arguments and outputs.
+- A case with a `context_mesh` is called, traced and transformed inside
+  `case.context()` (`jax.set_mesh`, which JAX allows only outside `jax.jit`).
 - Cases on a mesh need eight devices. When JAX is imported by this module, it
   asks for eight CPU devices; when fewer devices exist, those cases are left
   out of `CASES` and listed in `SKIPPED`.
@@ -48,6 +54,7 @@ Conventions every case follows, so that generic drivers can use it:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -82,6 +89,9 @@ class Case:
     - `vmap`, `grad`, `jvp`: which transformations plain JAX supports (see the
       module docstring).
     - `tags`: what the case exercises, e.g. `{"scan", "nested"}`.
+    - `context_mesh`: a mesh the program expects as JAX's context mesh (it uses
+      bare `PartitionSpec`s where JAX wants a mesh); drivers enter
+      `case.context()` around every call, trace and transformation.
     """
 
     name: str
@@ -91,9 +101,17 @@ class Case:
     grad: bool = True
     jvp: bool = True
     tags: frozenset[str] = field(default_factory=frozenset)
+    context_mesh: Any = None
 
     def __repr__(self) -> str:
         return f"Case({self.name!r})"
+
+    def context(self) -> contextlib.AbstractContextManager[Any]:
+        """`jax.set_mesh(context_mesh)`, or nothing when the case needs no context mesh
+        (`set_mesh` is only allowed outside `jax.jit`: enter it around the driver)."""
+        if self.context_mesh is None:
+            return contextlib.nullcontext()
+        return jax.set_mesh(self.context_mesh)
 
 
 CASES: list[Case] = []
@@ -101,6 +119,11 @@ SKIPPED: list[str] = []  # cases left out because JAX has fewer than eight devic
 
 HAS_MESH = jax.device_count() >= 8
 MESH42 = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2) if HAS_MESH else None
+# The same devices with Explicit axes: shardings are part of the avals
+# (sharding in types), the default of `jax.make_mesh` on every supported release.
+MESH42E = (
+    jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2) if HAS_MESH else None
+)
 
 
 def case(
@@ -111,6 +134,7 @@ def case(
     jvp: bool = True,
     tags: tuple[str, ...] = (),
     mesh: bool = False,
+    context_mesh: Any = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator adding `fn` to `CASES` with example `args` (`mesh=True`: needs 8 devices)."""
 
@@ -120,7 +144,7 @@ def case(
         if mesh and not HAS_MESH:
             SKIPPED.append(name)
             return fn
-        CASES.append(Case(name, fn, tuple(args), vmap, grad, jvp, frozenset(tags)))
+        CASES.append(Case(name, fn, tuple(args), vmap, grad, jvp, frozenset(tags), context_mesh))
         return fn
 
     return register
@@ -164,7 +188,8 @@ def differentiable(c: Case) -> bool:
     dyn_fn, leaves = dynamic(c.fn, c.args)
     if not any(is_float(leaf) for leaf in leaves):
         return False
-    out = jax.eval_shape(dyn_fn, *leaves)
+    with c.context():
+        out = jax.eval_shape(dyn_fn, *leaves)
     return any(jnp.issubdtype(o.dtype, jnp.floating) for o in jax.tree.leaves(out))
 
 
@@ -1128,3 +1153,215 @@ _pmapped = jax.pmap(lambda a: (lax.psum(a, "i"), a * lax.axis_index("i")), axis_
 @case("pmap/psum_axis_index", f32(8, 3), vmap=False, tags=("pmap", "shard_map", "jit"), mesh=True)
 def pmap_psum(x):
     return _pmapped(x)
+
+
+# ---------------------------------------------------------------------------
+# Explicit sharding on the 4x2 mesh with Explicit axes (sharding in types):
+# `reshard`, `auto_axes` / `explicit_axes` regions, `out_sharding=` of jnp ops,
+# shard_map (whose in_specs JAX checks against each argument's sharding), control
+# flow and jit on sharded values. Arguments are placed with `jax.device_put`.
+# Shardings are NamedShardings on MESH42E, so no context mesh is needed, except in
+# the `set_mesh` case, which uses bare PartitionSpecs under `jax.set_mesh`.
+# ---------------------------------------------------------------------------
+
+
+def _on(*spec: Any) -> NamedSharding:
+    return NamedSharding(MESH42E, P(*spec))
+
+
+def _placed(x: jax.Array, *spec: Any) -> jax.Array:
+    """`x` on MESH42E with sharding `P(*spec)` (as it is without eight devices)."""
+    return jax.device_put(x, _on(*spec)) if HAS_MESH else x
+
+
+@case(
+    "explicit/reshard",
+    _placed(f32(8, 4), "x", "y"),
+    tags=("explicit", "reshard"),
+    mesh=True,
+)
+def explicit_reshard(x):
+    rows = jax.sharding.reshard(x * 2.0, _on("x", None))
+    cols = jax.sharding.reshard(jnp.sin(rows), _on(None, "y"))
+    tiles = jax.sharding.reshard(cols, _on("x", "y"))
+    return tiles + x, jnp.sum(cols, axis=0), rows
+
+
+@case(
+    "explicit/auto_axes_matmul",
+    _placed(f32(8, 4), "x", "y"),
+    _placed(f32(4, 4), None, "y"),
+    tags=("explicit", "auto_axes"),
+    mesh=True,
+)
+def explicit_auto_axes_matmul(x, w):
+    # Both operands sharded on "y" in their contracting dimension: no sharding
+    # type for the product, so the product runs in an auto_axes region.
+    product = jax.sharding.auto_axes(
+        lambda a, b: jnp.tanh(a @ b.T) * 2.0, out_sharding=_on("x", None)
+    )(x, w)
+    # The same, with the output sharding given to the op itself.
+    direct = jnp.matmul(x, jax.sharding.reshard(w, _on("y", None)), out_sharding=_on("x", None))
+    return product, direct, jnp.einsum("ij,ij->i", product, direct, out_sharding=_on("x"))
+
+
+@case(
+    "explicit/explicit_axes_in_auto_axes",
+    _placed(f32(8, 4), "x", "y"),
+    tags=("explicit", "auto_axes", "explicit_axes"),
+    mesh=True,
+)
+def explicit_explicit_axes(x):
+    def auto_region(a):
+        # Axes are Auto here; `explicit_axes` makes them Explicit again inside.
+        typed = jax.sharding.explicit_axes(
+            lambda t: jnp.sum(jnp.cos(t) * t, axis=1), in_sharding=_on("x", None)
+        )
+        return typed(a * 0.5)
+
+    return jax.sharding.auto_axes(auto_region, out_sharding=_on("x"))(x) + 1.0
+
+
+@case(
+    "explicit/shard_map_full",
+    _placed(f32(8, 4), "x", "y"),
+    _placed(f32(8, 4), "x", "y"),
+    tags=("explicit", "shard_map"),
+    mesh=True,
+)
+def explicit_shard_map_full(x, y):
+    def body(a, b):
+        total = lax.psum(jnp.sum(a * b), ("x", "y"))
+        return jnp.sin(a) + total * 0.01, total
+
+    mapped = jax.shard_map(
+        body, mesh=MESH42E, in_specs=(P("x", "y"), P("x", "y")), out_specs=(P("x", "y"), P())
+    )
+    return mapped(x, y)
+
+
+@case(
+    "explicit/shard_map_partial_x",
+    _placed(f32(8, 4), "x", None),
+    tags=("explicit", "shard_map"),
+    mesh=True,
+)
+def explicit_shard_map_partial(x):
+    def body(a):
+        i = lax.axis_index("x").astype(a.dtype)
+        return a * (i + 1.0) + lax.psum(a, "x")
+
+    return jax.shard_map(body, mesh=MESH42E, in_specs=P("x"), out_specs=P("x"), axis_names={"x"})(x)
+
+
+@case(
+    "explicit/scan",
+    _placed(f32(4), "y"),
+    _placed(f32(5, 4), None, "y"),
+    tags=("explicit", "scan"),
+    mesh=True,
+)
+def explicit_scan(c0, xs):
+    def body(c, x):
+        c = jnp.tanh(c * 0.5 + x)
+        return c, jnp.sum(c * x)
+
+    return lax.scan(body, c0, xs)
+
+
+@case(
+    "explicit/while",
+    _placed(f32(8, 4), "x", "y"),
+    grad=False,
+    tags=("explicit", "while"),
+    mesh=True,
+)
+def explicit_while(x):
+    def body(state):
+        i, v = state
+        return i + 1, jnp.cos(v) * 0.5 + v
+
+    return lax.while_loop(lambda s: s[0] < 3, body, (jnp.int32(0), x))
+
+
+# vmap=False: plain JAX cannot batch it (a batched predicate turns the cond into a
+# `select_n` whose unsharded `which` must have the cases' sharding: ShardingTypeError).
+@case(
+    "explicit/cond",
+    _placed(f32(8, 4), "x", "y"),
+    _placed(f32(8, 4), "x", "y"),
+    vmap=False,
+    tags=("explicit", "cond"),
+    mesh=True,
+)
+def explicit_cond(x, y):
+    return lax.cond(jnp.sum(x) > 0, lambda a, b: a * b, lambda a, b: jnp.sin(a) - b, x, y)
+
+
+if HAS_MESH:
+    _explicit_jit = jax.jit(
+        lambda a, b: (jnp.tanh(a) * 2.0 + 1.0, jnp.sum(b, axis=1)),
+        in_shardings=(_on("x", "y"), _on("x", None)),
+        out_shardings=(_on("x", "y"), _on("x")),
+    )
+
+
+@case(
+    "explicit/jit_shardings",
+    _placed(f32(8, 4), "x", "y"),
+    _placed(f32(8, 4), "x", None),
+    tags=("explicit", "jit"),
+    mesh=True,
+)
+def explicit_jit_shardings(x, y):
+    return _explicit_jit(x, y)
+
+
+@case(
+    "explicit/set_mesh_partition_specs",
+    _placed(f32(8, 4), "x", "y"),
+    _placed(f32(4, 4), None, "y"),
+    tags=("explicit", "reshard", "shard_map"),
+    context_mesh=MESH42E,
+    mesh=True,
+)
+def explicit_set_mesh(x, w):
+    # Bare PartitionSpecs: JAX takes the mesh from `jax.set_mesh` (Case.context).
+    cols = jax.sharding.reshard(x, P(None, "y"))
+    bias = jnp.ones((8, 4), out_sharding=P("x", "y")) * 0.5
+    product = jnp.matmul(cols, w, out_sharding=P(None, "y"))
+    mapped = jax.shard_map(
+        lambda b: b + lax.psum(jnp.sum(b), "x"), in_specs=P("x", "y"), out_specs=P("x", "y")
+    )(x + bias)
+    return product, mapped
+
+
+@case(
+    "explicit/nest_jit_scan_cond_shard_map",
+    _placed(f32(8, 4), "x", "y"),
+    f32(3),
+    vmap=False,  # a cond with a batched predicate: see explicit/cond
+    tags=("explicit", "nested", "jit", "scan", "cond", "shard_map", "auto_axes"),
+    mesh=True,
+)
+def explicit_nested(x, ws):
+    step = jax.shard_map(
+        lambda b, s: b * s + lax.psum(jnp.sum(b), ("x", "y")) * 0.01,
+        mesh=MESH42E,
+        in_specs=(P("x", "y"), P()),
+        out_specs=P("x", "y"),
+    )
+
+    @jax.jit
+    def run(x, ws):
+        def body(c, s):
+            # The predicate is a global sum: every shard takes the same branch.
+            c = lax.cond(jnp.sum(c) > 0, lambda a: step(a, s), lambda a: a * 0.5 + s, c)
+            mixed = jax.sharding.auto_axes(
+                lambda a: jnp.tanh(a @ a.T) @ a, out_sharding=_on("x", "y")
+            )(c)
+            return jax.sharding.reshard(mixed * 0.1, _on("x", "y")), jnp.sum(mixed)
+
+        return lax.scan(body, x, ws)
+
+    return run(x, ws)

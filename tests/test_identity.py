@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend.core import ClosedJaxpr, jaxprs_in_params
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from corpus import CASES, Case, batch_args, case_by_name, differentiable, dynamic, is_float
@@ -124,8 +125,15 @@ def float_outputs(out: Any) -> list[Any]:
 
 
 def pattern(x: Any) -> Any:
-    """A deterministic, non-constant array like `x` (tangents and cotangents)."""
-    return jnp.cos(jnp.arange(x.size, dtype=jnp.float32) * 0.7).reshape(x.shape).astype(x.dtype)
+    """A deterministic, non-constant array like `x` (tangents and cotangents), with
+    the sharding type of `x` on a mesh with Explicit axes (JAX checks cotangents'
+    types against the outputs')."""
+    values = jnp.cos(jnp.arange(x.size, dtype=jnp.float32) * 0.7).reshape(x.shape).astype(x.dtype)
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and AxisType.Explicit in mesh.axis_types and any(sharding.spec):
+        values = jax.sharding.reshard(values, sharding)
+    return values
 
 
 def loss(out: Any) -> Any:
@@ -252,9 +260,10 @@ class Sides:
                 *results["jvp"], ctxs["jvp"] = jax.jvp(jvp_fn, (floats,), (tangents,), has_aux=True)
             return results, ctxs
 
-        results, ctxs = jax.jit(program, compiler_options=COMPILER_OPTIONS)(
-            self.leaves, self.ctx_dyn if interpreted else {}
-        )
+        with c.context():
+            results, ctxs = jax.jit(program, compiler_options=COMPILER_OPTIONS)(
+                self.leaves, self.ctx_dyn if interpreted else {}
+            )
         if interpreted:
             for name in ctxs:
                 self.check_ctx(name, ctx_names[name], ctxs[name])
@@ -318,7 +327,8 @@ def corpus_inventory() -> tuple[collections.Counter, dict[str, set]]:
     chains: dict[str, set] = {}
     for c in CASES:
         orig, leaves = dynamic(c.fn, c.args)
-        closed = jax.make_jaxpr(orig)(*leaves)
+        with c.context():
+            closed = jax.make_jaxpr(orig)(*leaves)
         chains[c.name] = set()
         _walk(closed.jaxpr, (), seen, chains[c.name])
     return seen, chains
@@ -332,6 +342,7 @@ def test_corpus_covers_every_primitive():
         CONTROL_FLOW | COMBINERS | COLLECTIVES
     ) - set(seen)
     assert {"random_bits", "threefry2x32"} & set(seen)
+    assert "reshard" in seen  # explicit sharding: reshard, auto_axes, explicit_axes
     # Alone: for each primitive, a case whose only control flow it is.
     used = {name: {p for chain in cs for p in chain} for name, cs in chains.items()}
     alone = {next(iter(prims)) for prims in used.values() if len(prims) == 1}
@@ -354,12 +365,25 @@ def test_corpus_dtypes_and_meshes():
     dtypes = set()
     for c in CASES:
         fn, leaves = dynamic(c.fn, c.args)
-        leaves = jax.tree.leaves((leaves, jax.eval_shape(fn, *leaves)))
+        with c.context():
+            leaves = jax.tree.leaves((leaves, jax.eval_shape(fn, *leaves)))
         dtypes |= {str(leaf.dtype) for leaf in leaves if hasattr(leaf, "dtype")}
     assert {"float32", "int32", "bool", "uint32", "bfloat16", "uint8"} <= dtypes, dtypes
     assert any(d.startswith("key") for d in dtypes)
     names = {c.name for c in CASES}
     assert {"shard_map/partial_x_check_vma", "pmap/psum_axis_index", "jit/shardings"} <= names
+    # Explicit sharding: cases whose arguments carry shardings on an Explicit mesh,
+    # nested control flow among them, and one under `jax.set_mesh`.
+    explicit = [c for c in CASES if c.name.startswith("explicit/")]
+    assert len(explicit) >= 10
+    for c in explicit:
+        shardings = [
+            leaf.sharding for leaf in jax.tree.leaves(c.args) if isinstance(leaf, jax.Array)
+        ]
+        meshes = [getattr(sharding, "mesh", None) for sharding in shardings]
+        assert any(m is not None and AxisType.Explicit in m.axis_types for m in meshes), c
+    assert any(c.context_mesh is not None for c in explicit)
+    assert any("nested" in c.tags for c in explicit)
 
 
 # ---------------------------------------------------------------------------
@@ -384,7 +408,8 @@ _EAGER: dict[str, Any] = {}
 
 def eager_oracle(c: Case) -> Any:
     if c.name not in _EAGER:
-        _EAGER[c.name] = c.fn(*c.args)
+        with c.context():
+            _EAGER[c.name] = c.fn(*c.args)
     return _EAGER[c.name]
 
 
@@ -392,7 +417,8 @@ def eager_oracle(c: Case) -> Any:
 def test_eager(c: Case, ctx_name: str):
     ctx = CTXS[ctx_name]
     expected = eager_oracle(c)
-    out, ctx_out = reinterpret(c.fn, IDENTITY)(ctx, *c.args)
+    with c.context():
+        out, ctx_out = reinterpret(c.fn, IDENTITY)(ctx, *c.args)
     assert_trees_equal(out, expected, "out")
     assert_same_shardings(out, expected)
     assert_ctx_unchanged(ctx_out, ctx)
@@ -418,7 +444,8 @@ def test_reinterpret_twice_eagerly(c: Case):
     inner_ctx = CTXS[ctx_for(c, "twice-inner")]
     outer_ctx = CTXS[ctx_for(c, "twice-outer")]
     twice = reinterpret(reinterpret(c.fn, IDENTITY), Interpreter(default_dispatcher()))
-    (out, inner_out), outer_out = twice(outer_ctx, inner_ctx, *c.args)
+    with c.context():
+        (out, inner_out), outer_out = twice(outer_ctx, inner_ctx, *c.args)
     assert_trees_equal(out, eager_oracle(c), "out")
     assert_ctx_unchanged(inner_out, inner_ctx)
     assert_ctx_unchanged(outer_out, outer_ctx)
