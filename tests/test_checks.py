@@ -1027,3 +1027,30 @@ def test_several_failing_shards_report_the_first_in_mesh_order(mesh8):
         values = jnp.arange(8.0).at[jnp.array(failing)].set(-1.0 - jnp.array(failing))
         error = jax.jit(checked(f))(values)[1]
         assert (error.shard, error.message) == ({"i": failing[0]}, f"negative {-1.0 - failing[0]}")
+
+
+def test_automatic_check_in_a_while_condition():
+    def f(x, n):
+        return lax.while_loop(lambda i: (x[i] < n) & (i < 6), lambda i: i + 1, 0)  # condition
+
+    x = jnp.arange(5.0)
+    run = jax.jit(checked(f, errors=index_checks))
+    oracle = jax.jit(checkify.checkify(f, errors=checkify.index_checks))
+    assert run(x, 3.0)[1].get() is None
+    assert oracle(x, 3.0)[0].get() is None
+    # x[5] is read by the condition after 5 iterations (JAX clamps it to x[4]).
+    error = run(x, 4.5)[1]
+    assert (error.iteration, error.source) == ((5,), at("condition"))
+    assert oracle(x, 4.5)[0].get() is not None
+
+
+def test_nan_checks_leave_effects_alone():
+    from kups.harvest import reap, sow
+
+    def f(x):
+        return sow(jnp.log(x), tag="t", name="y") + 1.0  # sown log
+
+    (out, error), reaped = reap(checked(f, errors=nan_checks), tag="t")(jnp.float32(-1.0))
+    assert jnp.isnan(out) and jnp.isnan(reaped["y"])
+    assert error.source == at("sown log") and "'log'" in error.message
+    assert len(error.slots) == 2  # log and add; not the sow

@@ -471,6 +471,7 @@ def _automatic_checks(
     if (
         "nan" in kinds
         and name not in _MOVES_ONLY
+        and not eqn.effects  # effects (a `sow`, a callback) pass their values on
         and any(_is_inexact(v.aval.dtype) for v in eqn.outvars)  # pyright: ignore[reportAttributeAccessIssue]
     ):
         template = f"'{name}' produced a NaN from inputs without NaN"
