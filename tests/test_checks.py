@@ -991,7 +991,8 @@ def test_the_shards_failures_are_combined_in_one_collective(mesh42):
     f = jax.shard_map(below_ten, mesh=mesh42, in_specs=P("x", "y"), out_specs=P("x", "y"))
     compiled = jax.jit(checked(f)).lower(jnp.arange(16.0).reshape(4, 4)).compile().as_text()
     collectives = re.findall(
-        r"= \S+ (all-reduce|all-gather|collective-permute|all-to-all)\(", compiled
+        r" (all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter)(-start)?\(",
+        compiled,
     )
     assert len(collectives) == 1
     # The same report as test_shard_map_reports_the_mesh_coordinates.
