@@ -1055,3 +1055,18 @@ def test_nan_checks_leave_effects_alone():
     assert jnp.isnan(out) and jnp.isnan(reaped["y"])
     assert error.source == at("sown log") and "'log'" in error.message
     assert len(error.slots) == 2  # log and add; not the sow
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8, jnp.int16, jnp.uint32])
+def test_small_index_dtypes_against_a_long_axis(dtype):
+    def f(x, i):
+        return lax.dynamic_slice(x, (i,), (2,))
+
+    # The largest in-bounds start, 298, may not fit the index dtype: every index of
+    # that dtype is then in bounds from above.
+    x = jnp.arange(300.0)
+    run = checked(f, errors=index_checks)
+    top = min(int(np.iinfo(dtype).max), 298)
+    assert run(x, jnp.asarray(top, dtype))[1].get() is None
+    if top == 298:
+        assert run(x, jnp.asarray(299, dtype))[1].message.startswith("out-of-bounds index 299")

@@ -487,7 +487,9 @@ def _out_of_bounds(
     assert layout is not None
     indices = _index_array(eqn, invals)
     upper = np.asarray(layout.upper)
-    outside = jnp.logical_or(indices < 0, indices > upper.astype(indices.dtype))
+    # A bound past the index dtype's range is one no index of that dtype passes.
+    bound = np.minimum(upper, np.iinfo(indices.dtype).max).astype(indices.dtype)
+    outside = jnp.logical_or(indices < 0, indices > bound)
     first = jnp.argmax(outside.reshape(-1))
     entry = first % len(layout.operand_axes)
     payload = [
