@@ -745,6 +745,12 @@ def test_automatic_checks_find_what_checkify_finds(
     assert f"'{primitive}'" in error.message
     # Without the kind asked for, nothing is checked.
     assert jax.jit(checked(fn))(x, jnp.int32(bad))[1].get() is None
+    # The same verdict as checkify's on every argument around the bounds.
+    for i in range(-8, 10):
+        out, error = run(x, jnp.int32(i))
+        oracle_error, oracle_out = oracle(x, jnp.int32(i))
+        np.testing.assert_array_equal(out, oracle_out)
+        assert (error.get() is None) == (oracle_error.get() is None), i
 
 
 @pytest.mark.parametrize(
