@@ -16,6 +16,7 @@ from ._dispatcher import Dispatcher
 from ._matching import contains_subjaxprs, is_control_flow
 from ._traceback import api_boundary
 from ._types import InterpreterPolicy
+from ._untouched import Handled, handled_names, skipped_equations
 
 # Per jaxpr, its walking plan: for each equation, whether it is control flow and
 # the variables whose last use it is (freed after it runs).
@@ -104,6 +105,9 @@ class Interpreter:
         self.label = label
         self._depth = 0
         self._body_cache: dict[Any, Any] = {}
+        # The primitives that go to handlers of their own (None: any may), read
+        # from the dispatcher at the start of each top-level call.
+        self._handled: Handled | None = None
 
     def __repr__(self) -> str:
         label = f", label={self.label!r}" if self.label else ""
@@ -137,6 +141,7 @@ class Interpreter:
             )
         if self._depth == 0:
             self._body_cache = {}
+            self._handled = handled_names(self.dispatcher)
             if not self.dispatcher._staged and is_staging():
                 self.dispatcher._staged = True
         self._depth += 1
@@ -160,7 +165,9 @@ class Interpreter:
         user_context = _compat.user_context
         outer_name_stack = _compat.current_name_stack()
         bind = _compat.bind_equation
-        for eqn, control_flow, free in _plan(jaxpr):
+        # Control flow that no handler touches is re-bound whole (see _untouched).
+        skips = skipped_equations(jaxpr, self._handled)
+        for index, (eqn, control_flow, free) in enumerate(_plan(jaxpr)):
             invals = [v.val if is_literal(v) else env[v] for v in eqn.invars]  # pyright: ignore[reportAttributeAccessIssue]
             handler = handlers.get(eqn.primitive.name)
             source_info = eqn.source_info
@@ -170,7 +177,9 @@ class Interpreter:
                 ),
                 eqn.ctx.manager,
             ):
-                if handler is not None:
+                if skips is not None and skips[index]:
+                    outvals = bind(eqn.primitive, eqn.params, invals)
+                elif handler is not None:
                     ctx_before = ctx
                     ctx, outvals = self._dispatch(handler, ctx, eqn, invals)
                     if control_flow:

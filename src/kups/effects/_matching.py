@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
@@ -33,15 +35,39 @@ COMBINER_PRIMITIVES: frozenset[str] = frozenset(
 _JAXPR_TYPES = (Jaxpr, ClosedJaxpr)
 
 
-def has_jaxpr_params(params: dict[str, Any]) -> bool:
+def _jaxprs_in(value: Any, depth: int) -> Iterator[Jaxpr | ClosedJaxpr]:
+    if isinstance(value, _JAXPR_TYPES):
+        yield value
+    elif depth == 0 or isinstance(value, (str, bytes, int, float, bool)) or value is None:
+        return
+    elif isinstance(value, (tuple, list)):  # namedtuples too (custom_linear_solve)
+        for item in value:
+            yield from _jaxprs_in(item, depth - 1)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _jaxprs_in(item, depth - 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # Equinox modules (the params of equinox filter primitives, such as
+        # lineax's `linear_solve`) and other dataclasses.
+        for field in dataclasses.fields(value):
+            yield from _jaxprs_in(getattr(value, field.name, None), depth - 1)
+
+
+def subjaxprs(params: dict[str, Any]) -> Iterator[Jaxpr | ClosedJaxpr]:
+    """Every jaxpr in an equation's params, wherever it sits: directly, or inside
+    tuples, lists, dicts, namedtuples and dataclasses (equinox modules), a few
+    levels deep."""
     for value in params.values():
-        if isinstance(value, _JAXPR_TYPES):
-            return True
-        if type(value) is tuple and value and isinstance(value[0], _JAXPR_TYPES):
-            return True
-        if hasattr(value, "_fields") and any(isinstance(v, _JAXPR_TYPES) for v in value):
-            return True  # custom_linear_solve keeps its jaxprs in a namedtuple
-    return False
+        yield from _jaxprs_in(value, _MAX_DEPTH)
+
+
+# How deep params are searched for jaxprs: JAX's own primitives hold them at
+# depth 1 or 2; library primitives a little deeper.
+_MAX_DEPTH = 6
+
+
+def has_jaxpr_params(params: dict[str, Any]) -> bool:
+    return next(subjaxprs(params), None) is not None
 
 
 def is_control_flow(eqn: JaxprEqn) -> bool:

@@ -1,0 +1,118 @@
+"""Which equations no handler would touch, so that they are re-bound whole.
+
+Most interpreters handle a few primitives (a `sow`, a `check`, one swapped
+operation) in programs of thousands of equations. A control-flow equation whose
+sub-programs contain, recursively, no primitive that goes to a handler of its
+own (nor to a fallback or a custom matching rule) leaves the context as it is,
+so the interpreter re-binds it as one equation instead of walking it: the
+program stays exactly the user's, and tracing costs what re-binding costs.
+
+A control-flow primitive of a library (one kups has no handler for, such as
+lineax's `linear_solve`) whose sub-programs no handler touches is re-bound the
+same way: nothing inside it would be lost. A control-flow primitive of JAX's
+whose handler the user removed is left to the interpreter's policy.
+
+The decision is made once per jaxpr and set of handled primitive names (cached
+weakly on the jaxpr), not at every equation.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, NamedTuple
+
+from jax.extend.core import Jaxpr
+
+from . import _compat
+from ._matching import contains_subjaxprs, is_control_flow, subjaxprs
+
+# Options of the default handlers that only matter when a body changes the
+# context: with an untouched body they do nothing. (`updater`, `reduce_ctx` and
+# the shard_map spec declarations act on an unchanged context too.)
+_INERT_OPTIONS = frozenset({"initializer", "threading", "thread_condition"})
+
+
+def _is_structural(handler: Any, defaults: frozenset[Any]) -> bool:
+    """Whether `handler` is a default control-flow handler, which threads the
+    context through a body and does nothing else."""
+    if handler in defaults:
+        return True
+    return (
+        isinstance(handler, functools.partial)
+        and handler.func in defaults
+        and not handler.args
+        and set(handler.keywords) <= _INERT_OPTIONS
+    )
+
+
+class Handled(NamedTuple):
+    """What a dispatcher does with primitives, by name: `touching` go to a handler
+    of the user's (or of an effect); `structural` to a default control-flow
+    handler, which only threads the context through its body."""
+
+    touching: frozenset[str]
+    structural: frozenset[str]
+
+
+def handled_names(dispatcher: Any) -> Handled | None:
+    """Which primitives a dispatcher's handlers take, or `None` when any equation
+    might go to one (a fallback handler, or a custom matching rule, which decides
+    per equation)."""
+    from ._defaults import DEFAULT_HANDLERS
+
+    if dispatcher._fallback is not None or any(
+        rule is not contains_subjaxprs for rule in dispatcher._rules
+    ):
+        return None
+    defaults = frozenset(DEFAULT_HANDLERS.values())
+    structural = {
+        name for name, handler in dispatcher._handlers.items() if _is_structural(handler, defaults)
+    }
+    return Handled(frozenset(dispatcher._handlers) - structural, frozenset(structural))
+
+
+_UNTOUCHED: weakref.WeakKeyDictionary[Jaxpr, dict[Handled, bool]] = weakref.WeakKeyDictionary()
+_SKIPS: weakref.WeakKeyDictionary[Jaxpr, dict[Handled, list[bool]]] = weakref.WeakKeyDictionary()
+
+
+def _eqn_untouched(eqn: Any, handled: Handled) -> bool:
+    name = eqn.primitive.name
+    if name in handled.touching:
+        return False
+    if not is_control_flow(eqn):
+        return True
+    if name not in handled.structural and name in _compat.KNOWN_PARAMS:
+        # A control-flow primitive of JAX's with no handler: the user took its
+        # handler away (or never registered one), and the interpreter's policy
+        # decides, whatever its body holds.
+        return False
+    # A default handler's, or a library's own primitive (lineax's `linear_solve`,
+    # an equinox filter primitive): re-binding it loses nothing when no handler
+    # would see anything inside.
+    return all(untouched(sub, handled) for sub in subjaxprs(eqn.params))
+
+
+def untouched(jaxpr: Any, handled: Handled) -> bool:
+    """Whether re-binding `jaxpr`'s equations as they are (recursively) is what the
+    interpreter would do with them."""
+    jaxpr, _ = _compat.open_jaxpr(jaxpr)
+    per_jaxpr = _UNTOUCHED.setdefault(jaxpr, {})
+    found = per_jaxpr.get(handled)
+    if found is None:
+        found = per_jaxpr[handled] = all(_eqn_untouched(eqn, handled) for eqn in jaxpr.eqns)
+    return found
+
+
+def skipped_equations(jaxpr: Jaxpr, handled: Handled | None) -> list[bool] | None:
+    """For each equation of `jaxpr`, whether it is control flow that no handler
+    touches (to be re-bound whole); `None` when nothing may be skipped."""
+    if handled is None:
+        return None
+    per_jaxpr = _SKIPS.setdefault(jaxpr, {})
+    skips = per_jaxpr.get(handled)
+    if skips is None:
+        skips = per_jaxpr[handled] = [
+            is_control_flow(eqn) and _eqn_untouched(eqn, handled) for eqn in jaxpr.eqns
+        ]
+    return skips
