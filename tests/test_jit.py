@@ -328,3 +328,22 @@ def test_default_dispatcher_routes_jit_to_default_jit_handler():
     assert int(ctx) == 6
     assert calls == ["g"]
     np.testing.assert_allclose(out, g(jnp.ones(2), jnp.ones(2)))
+
+
+def test_closed_over_constants_stay_constants():
+    # XLA folds `jnp.exp(c)` of a constant `c`; passed as an argument it computes it
+    # at run time, and the result differs in the last bits.
+    c = jnp.linspace(-3.0, 3.0, 1000, dtype=jnp.float32)
+    f = jax.jit(lambda x: jnp.sin(x) * jnp.exp(c))
+    x = jnp.ones(1000, jnp.float32)
+    out, ctx = reinterpret(f, counting())(jnp.int32(0), x)
+    assert np.array_equal(out, f(x)) and int(ctx) == 1
+    (eqn,) = jit_eqns(jax.make_jaxpr(reinterpret(f, counting()))(jnp.int32(0), x))
+    assert len(eqn.invars) == 2  # the context and x; `c` is closed over
+
+    # A value of an enclosing trace cannot be closed over: it stays an argument.
+    def g(x, y):
+        return jax.jit(lambda a: jnp.sin(a) * jnp.exp(c) * y)(x)
+
+    out, ctx = jax.jit(reinterpret(g, counting()))(jnp.int32(0), x, 2.0)
+    assert np.array_equal(out, g(x, 2.0)) and int(ctx) == 1
