@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 from jax import lax
 
-from kups.effects import HandlerResult, Interpreter, default_dispatcher, reinterpret
+from kups.effects import (
+    HandlerResult,
+    Interpreter,
+    default_dispatcher,
+    default_primitive_handler,
+    reinterpret,
+)
 
 X = jnp.array([0.25, -0.5, 1.0], jnp.float32)
 LINES: dict[str, int] = {}
@@ -213,3 +219,26 @@ def test_cond_without_operands(pred):
         out, ctx = interpreted(0, pred)
         np.testing.assert_allclose(out, np.sin(1.0) if pred else 2.0, rtol=1e-6)
         assert int(ctx) == int(pred)
+
+
+def test_context_no_branch_reads_stays_out_of_the_cond():
+    def count_sin(interpreter, ctx, eqn, invals):
+        outvals = default_primitive_handler(interpreter, ctx, eqn, invals).outvals
+        return HandlerResult({**ctx, "n": ctx["n"] + 1}, outvals)
+
+    def f(x):
+        return jax.lax.cond(x > 0, jnp.sin, jnp.cos, x)
+
+    interpreted = reinterpret(
+        f, Interpreter(default_dispatcher().register_handler("sin", count_sin))
+    )
+    ctx = {"a": jnp.arange(3.0), "n": jnp.int32(0)}
+    closed = jax.make_jaxpr(interpreted)(ctx, 1.0)
+    (cond,) = [e for e in closed.eqns if e.primitive.name == "cond"]
+    (plain,) = [e for e in jax.make_jaxpr(f)(1.0).eqns if e.primitive.name == "cond"]
+    # Only the count enters (and leaves) the cond; `a` is neither read nor changed.
+    assert len(cond.invars) == len(plain.invars) + 1
+    assert len(cond.outvars) == len(plain.outvars) + 1
+    for x, n in [(1.0, 1), (-1.0, 0)]:
+        out, new_ctx = interpreted(ctx, x)
+        assert out == f(x) and int(new_ctx["n"]) == n and new_ctx["a"] is ctx["a"]

@@ -69,14 +69,44 @@ def default_cond_handler(
             )
         )
         offset += body.num_consts
+    # Context values no branch reads stay out of the cond, as the scan, jit and
+    # shard_map handlers leave them out of their calls.
+    new_branches, ctx_read = _unread_ctx_dropped(new_branches, len(all_consts), len(ctx_values))
+    read_values = [v for v, r in zip(ctx_values, ctx_read, strict=True) if r]
     new_params = _compat.cond_params(eqn.params, branches=tuple(new_branches))
     out = _compat.bind_equation(
-        eqn.primitive, new_params, [index, *all_consts, *ctx_values, *operands]
+        eqn.primitive, new_params, [index, *all_consts, *read_values, *operands]
     )
     num_passed = forwarded.count(None)
     passed = iter(out[:num_passed])
     ctx_out = [next(passed) if f is None else ctx_values[f] for f in forwarded]
     return HandlerResult(first.ctx_out.unflatten(ctx_out), out[num_passed:])
+
+
+def _unread_ctx_dropped(
+    branches: list[Any], num_consts: int, num_ctx: int
+) -> tuple[list[Any], list[bool]]:
+    """The branches without the context inputs (after `num_consts` consts) that no
+    branch reads, and which context inputs stay."""
+    opened = [_compat.open_jaxpr(branch)[0] for branch in branches]
+    read = [False] * num_ctx
+    for jaxpr in opened:
+        used = {v for e in jaxpr.eqns for v in e.invars if _compat.is_var(v)}
+        used.update(v for v in jaxpr.outvars if _compat.is_var(v))
+        for i, var in enumerate(jaxpr.invars[num_consts : num_consts + num_ctx]):
+            read[i] = read[i] or var in used
+    if all(read) or _compat.has_input_effects_any(opened):
+        return branches, [True] * num_ctx
+    new = []
+    for jaxpr in opened:
+        ctx_vars = jaxpr.invars[num_consts : num_consts + num_ctx]
+        invars = [
+            *jaxpr.invars[:num_consts],
+            *(v for v, r in zip(ctx_vars, read, strict=True) if r),
+            *jaxpr.invars[num_consts + num_ctx :],
+        ]
+        new.append(_compat.new_closed_jaxpr(_compat.replace_jaxpr(jaxpr, invars=invars), ()))
+    return new, read
 
 
 def _forwarded_ctx(traced: list[TracedBody], num_ctx: int, num_ctx_in: int) -> list[int | None]:
