@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 from jax.extend.core import ClosedJaxpr, jaxprs_in_params
 
-from kups.effects import HandlerResult, Interpreter, default_dispatcher, reinterpret
+from kups.effects import (
+    HandlerResult,
+    Interpreter,
+    default_dispatcher,
+    default_primitive_handler,
+    reinterpret,
+)
 
 # ---------------------------------------------------------------- helpers
 
@@ -184,3 +190,25 @@ def test_nested_checkpoints():
     np.testing.assert_allclose(out, f(0.4), rtol=1e-6)
     grad = jax.grad(lambda x: interpret(jnp.int32(0), x)[0])(0.4)
     np.testing.assert_allclose(grad, jax.grad(f)(0.4), rtol=1e-6)
+
+
+def test_per_input_prevent_cse_with_an_array_context():
+    # `prevent_cse` may be one flag per input; the context and the body's consts
+    # are inputs too, so the flags must grow with them (JAX checks the length).
+    def f(a, b):
+        return jax.checkpoint(lambda u, v: jnp.sin(u) * v, prevent_cse=(False, True))(a, b)
+
+    def count_sin(interpreter, ctx, eqn, invals):
+        outvals = default_primitive_handler(interpreter, ctx, eqn, invals).outvals
+        return HandlerResult(ctx + 1.0, outvals)
+
+    interpreted = reinterpret(
+        f, Interpreter(default_dispatcher().register_handler("sin", count_sin))
+    )
+    (out, ctx) = interpreted(jnp.float32(0.0), 1.5, 2.0)
+    assert out == f(1.5, 2.0) and float(ctx) == 1.0
+    grads = jax.grad(lambda a, b: interpreted(jnp.float32(0.0), a, b)[0], argnums=(0, 1))(1.5, 2.0)
+    assert grads == jax.grad(f, argnums=(0, 1))(1.5, 2.0)
+    closed = jax.make_jaxpr(interpreted)(jnp.float32(0.0), 1.5, 2.0)
+    (remat,) = [e for e in closed.eqns if e.primitive.name == "remat2"]
+    assert remat.params["prevent_cse"][-2:] == (False, True)

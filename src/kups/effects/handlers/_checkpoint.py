@@ -21,5 +21,11 @@ def default_checkpoint_handler(
     spec, ctx_values = split(ctx)
     body = trace_interpreted(interpreter, eqn.params["jaxpr"], spec, name="checkpoint")
     new_params = dict(eqn.params, jaxpr=body.jaxpr)
+    prevent_cse = eqn.params["prevent_cse"]
+    if isinstance(prevent_cse, tuple):
+        # One flag per input (`jax.checkpoint(..., prevent_cse=(False, True))`): the
+        # body's consts and the context come first, with CSE prevented as by default.
+        extra = len(body.jaxpr.invars) - len(prevent_cse)
+        new_params["prevent_cse"] = (True,) * extra + prevent_cse
     out = _compat.bind_equation(eqn.primitive, new_params, [*body.consts, *ctx_values, *invals])
     return HandlerResult(body.ctx_out.unflatten(out[: body.num_ctx_out]), out[body.num_ctx_out :])
