@@ -274,6 +274,15 @@ class Sides:
 # The corpus itself.
 # ---------------------------------------------------------------------------
 
+def _call_primitive_name() -> str:
+    """`closed_call` binds as an `eval_jaxpr` equation from JAX 0.11 on."""
+    from jax.extend.core.primitives import closed_call_p
+
+    body = jax.make_jaxpr(jnp.sin)(1.0)
+    staged = jax.make_jaxpr(lambda x: closed_call_p.bind(x, call_jaxpr=body))(1.0)
+    return staged.eqns[0].primitive.name
+
+
 CONTROL_FLOW = {
     "jit",
     "scan",
@@ -282,7 +291,7 @@ CONTROL_FLOW = {
     "remat2",
     "custom_jvp_call",
     "custom_vjp_call",
-    "closed_call",
+    _call_primitive_name(),
     "shard_map",
     "custom_linear_solve",
 }
