@@ -138,9 +138,35 @@ def new_closed_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any]) -> ClosedJaxpr:
     return ClosedJaxpr(jaxpr, list(consts))
 
 
+def close_over(
+    jaxpr: Jaxpr, which: Sequence[bool], values: Sequence[Any]
+) -> tuple[Jaxpr, list[Any]]:
+    """`jaxpr` with those of its leading inputs that `which` marks turned into
+    constvars, and their values, to be closed over (`new_closed_jaxpr`).
+
+    A ClosedJaxpr's consts are constants to XLA (folded where it can); the same
+    values passed as arguments are not. From JAX 0.11 a `Jaxpr` carries its
+    consts itself; the constvars must lead its inputs in every release.
+    """
+    if not any(which):
+        return jaxpr, []
+    leading = jaxpr.invars[: len(which)]
+    constvars = [v for v, c in zip(leading, which, strict=True) if c]
+    rest = [v for v, c in zip(leading, which, strict=True) if not c]
+    constants = [x for x, c in zip(values, which, strict=True) if c]
+    new = replace_jaxpr(
+        jaxpr, constvars=[*jaxpr.constvars, *constvars], invars=[*rest, *jaxpr.invars[len(which) :]]
+    )
+    return new, constants
+
+
 def has_input_effects(jaxpr: Jaxpr) -> bool:
     """Whether `jaxpr` has effects that name one of its inputs by position."""
     return any(isinstance(e, _effects.JaxprInputEffect) for e in jaxpr.effects)
+
+
+def has_input_effects_any(jaxprs: Sequence[Jaxpr]) -> bool:
+    return any(has_input_effects(jaxpr) for jaxpr in jaxprs)
 
 
 def is_var(atom: Any) -> bool:
@@ -419,3 +445,45 @@ def replace_jaxpr(jaxpr: Jaxpr, **kwargs: Any) -> Jaxpr:
     if info is not None and info.arg_names is None:
         new = new.replace(debug_info=info._replace(arg_names=("",) * len(new.invars)))
     return new
+
+
+# ---------------------------------------------------------------------------
+# Effect primitives.
+# ---------------------------------------------------------------------------
+
+
+def register_effect_type(effect_type: type[Any]) -> None:
+    """Declares an effect type to JAX as unordered, lowerable, and allowed (and
+    kept) everywhere a transformation might otherwise reject or drop it.
+
+    Serves JAX 0.10.2. The effect type is *not* added to
+    `effects.ordered_effects`: unordered effects need no runtime tokens, so the
+    compiled program is the same as without the effect.
+
+    - `lowerable_effects`: `jit` refuses to lower jaxprs with other effects.
+    - `control_flow_allowed_effects`: `scan`, `while_loop`, `cond` reject
+      bodies with other effects.
+    - `remat_allowed_effects`: `jax.checkpoint` rejects bodies with other
+      effects.
+    - `custom_derivatives_allowed_effects`: `custom_jvp`/`custom_vjp` reject
+      bodies with other effects.
+    - `partial_eval_kept_effects`: on JAX 0.10.2, partial evaluation under
+      `jax.grad` drops an effect whose outputs are unused inside a `scan` (and
+      `jit`, `compute_on`) body unless its type is in this table.
+
+    **Arguments:**
+
+    - `effect_type`: a subclass of `jax.extend.core.Effect`.
+
+    **Returns:**
+
+    Nothing; JAX's global effect tables are updated in place.
+    """
+    for table in (
+        _effects.lowerable_effects,
+        _effects.control_flow_allowed_effects,
+        _effects.remat_allowed_effects,
+        _effects.custom_derivatives_allowed_effects,
+        _effects.partial_eval_kept_effects,
+    ):
+        table.add_type(effect_type)

@@ -7,7 +7,7 @@ from typing import Any
 from jax.extend.core import Effect, Primitive
 from jax.interpreters import ad, batching, mlir
 
-from ._compat_effect import register_effect_type
+from . import _compat
 
 
 class KupsEffect(Effect):
@@ -27,7 +27,7 @@ class KupsEffect(Effect):
         return f"KupsEffect({self.name!r})"
 
 
-register_effect_type(KupsEffect)
+_compat.register_effect_type(KupsEffect)
 
 
 class EffectPrimitive(Primitive):
