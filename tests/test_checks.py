@@ -1082,3 +1082,13 @@ def test_small_index_dtypes_against_a_long_axis(dtype):
     assert run(x, jnp.asarray(top, dtype))[1].get() is None
     if top == 298:
         assert run(x, jnp.asarray(299, dtype))[1].message.startswith("out-of-bounds index 299")
+
+
+def test_no_kinds_checks_nothing():
+    def f(x, i):
+        check(x[0] > 0, "x[0] is {}", x[0])
+        return jnp.log(x[i] - 10.0) // 0.0
+
+    out, error = jax.jit(checked(f, errors=frozenset()))(-jnp.ones(3), 7)
+    assert jnp.isnan(out) and error.get() is None and error.slots == ()
+    assert checked(f, errors={"user"})(-jnp.ones(3), 7)[1].message == "x[0] is -1.0"
