@@ -4,6 +4,7 @@ the control flow around it runs."""
 
 import inspect
 import re
+import warnings
 
 import equinox as eqx
 import jax
@@ -14,7 +15,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from kups import instrument
+from kups.effects import InterpreterPolicy
 from kups.instrument import PrimitiveCounts, count_primitives
+from library_primitive import library_call
 
 X = jnp.float32(0.5)
 
@@ -479,6 +482,198 @@ def test_vmapped_counts_print_one_count_per_element():
     _, counts = jax.vmap(count_primitives(doubling))(jnp.array([1.0, 3.0, 20.0]))
     assert re.search(r"mul\s+\[4 2 0\]", repr(counts))
     assert "[5 3 1]" in counts._repr_html_()
+
+
+# ------------------------------------------------------------ opaque control flow
+# `library_call` is a control-flow primitive kups has no handler for (see
+# tests/library_primitive.py): what it runs cannot be counted.
+
+IGNORE, WARN, RAISE = InterpreterPolicy.IGNORE, InterpreterPolicy.WARN, InterpreterPolicy.RAISE
+
+
+def opaque_counts_of(fn, *args, policy=IGNORE):
+    """The counts of `fn` under `policy`, eagerly and under `jax.jit`, checked to
+    agree (opaque calls too); warnings are errors unless `policy` is WARN."""
+    with warnings.catch_warnings():
+        if policy is not WARN:
+            warnings.simplefilter("error")
+        counted = count_primitives(fn, policy=policy)
+        out, counts = counted(*args)
+        assert_trees_close(out, fn(*args))
+        jit_out, jit_counts = eqx.filter_jit(counted)(*args)
+    assert_trees_close(jit_out, out)
+    assert all(type(count) is int for count in counts.opaque.values())
+    assert all(jnp.asarray(count).dtype == jnp.int32 for count in jit_counts.opaque.values())
+    assert {name: int(count) for name, count in jit_counts.items()} == counts
+    assert {name: int(count) for name, count in jit_counts.opaque.items()} == counts.opaque
+    return counts
+
+
+def around_library_calls(x, xs):
+    y = library_call(lambda a: jnp.sin(a) * 2.0, x)[0]  # one opaque call
+
+    def body(carry, x):
+        carry = carry + x  # add, per iteration
+        return library_call(jnp.cos, carry)[0], None  # one opaque call per iteration
+
+    return jnp.exp(lax.scan(body, y, xs)[0])  # exp
+
+
+def test_policy_must_be_an_interpreter_policy():
+    with pytest.raises(TypeError, match=r"RAISE.*WARN.*IGNORE.*InterpreterPolicy\.IGNORE"):
+        count_primitives(jnp.sin, policy="ignore")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match="got None"):
+        count_primitives(jnp.sin, policy=None)  # pyright: ignore[reportArgumentType]
+
+
+def test_raise_names_the_opaque_primitive_and_the_way_out():
+    for counted in (
+        count_primitives(around_library_calls),
+        jax.jit(count_primitives(around_library_calls, policy=RAISE)),
+    ):
+        with pytest.raises(NotImplementedError) as info:
+            counted(X, jnp.ones(5))
+        message = str(info.value)
+        assert "'library_call'" in message
+        assert "library_primitive.py" in message  # where it was bound
+        assert "policy=InterpreterPolicy.IGNORE" in message
+        assert ".opaque" in message
+
+
+@pytest.mark.parametrize("policy", [IGNORE, WARN])
+def test_opaque_calls_are_reported_and_everything_around_them_counted(policy):
+    xs = jnp.linspace(0.0, 1.0, 5)
+    if policy is WARN:
+        with pytest.warns(UserWarning, match=r"cannot count inside .*'library_call'"):
+            counts = opaque_counts_of(around_library_calls, X, xs, policy=WARN)
+    else:
+        counts = opaque_counts_of(around_library_calls, X, xs)
+    # Nothing the library calls run (sin, mul, cos) is counted; what runs
+    # around them is, exactly.
+    assert counts == {"add": 5, "exp": 1}
+    assert counts.opaque == {"library_call": 6}  # once, then once per iteration
+
+
+@pytest.mark.parametrize("trips", [0, 3])
+def test_opaque_call_in_while_counts_its_trips(trips):
+    def f(x, n):
+        def body(state):
+            i, v = state
+            return i + 1, library_call(jnp.sin, v)[0]  # add, one opaque call
+
+        return lax.while_loop(lambda s: s[0] < n, body, (jnp.int32(0), x))[1]
+
+    counts = opaque_counts_of(f, X, jnp.int32(trips))
+    assert counts == {"lt": trips + 1, "add": trips}
+    assert counts.opaque == {"library_call": trips}
+
+
+@pytest.mark.parametrize("pred", [False, True])
+def test_opaque_call_in_cond_counts_only_when_taken(pred):
+    def f(p, x):
+        return lax.cond(p, lambda x: library_call(jnp.sin, x)[0], jnp.cos, x)
+
+    counts = opaque_counts_of(f, jnp.bool_(pred), X)
+    taken = int(pred)
+    assert counts == {"convert_element_type": 1, "cos": 1 - taken}
+    assert counts.opaque == {"library_call": taken}  # listed with 0 when not taken
+
+
+def test_opaque_call_in_jit_in_scan_in_shard_map(mesh42):
+    @jax.jit
+    def step(carry, _):
+        return library_call(lambda c: c * 2.0, carry)[0], None
+
+    def body(block):
+        return jnp.sin(lax.scan(step, block, None, length=3)[0])  # sin, once per shard
+
+    def f(x):
+        return jax.shard_map(body, mesh=mesh42, in_specs=P("x", "y"), out_specs=P("x", "y"))(x)
+
+    counts = opaque_counts_of(f, jnp.ones((8, 4)))
+    assert counts == {"sin": 8}
+    assert counts.opaque == {"library_call": 8 * 3}  # 8 shards, 3 iterations each
+
+
+def test_only_the_outermost_opaque_call_is_seen():
+    def f(x):
+        return library_call(lambda a: library_call(jnp.sin, a)[0] * 2.0, x)[0] + x
+
+    counts = opaque_counts_of(f, X)
+    assert counts == {"add": 1}
+    assert counts.opaque == {"library_call": 1}
+
+
+def test_a_program_without_opaque_calls_counts_the_same_under_every_policy():
+    def f(xs):
+        return lax.scan(lambda c, x: (c + jnp.sin(x), None), jnp.float32(0), xs)[0]
+
+    for policy in InterpreterPolicy:
+        counts = opaque_counts_of(f, jnp.ones(4), policy=policy)
+        assert counts == {"add": 4, "sin": 4} and counts.opaque == {}
+
+
+def test_lineax_cg_with_a_function_operator():
+    lx = pytest.importorskip("lineax")
+
+    def solve(diagonal, b):
+        # The operator closes over a traced array, so lineax's `linear_solve`
+        # primitive holds it as a jaxpr: a control-flow primitive kups has no
+        # handler for.
+        operator = lx.FunctionLinearOperator(
+            lambda v: diagonal * v,
+            jax.ShapeDtypeStruct(b.shape, b.dtype),
+            tags=lx.positive_semidefinite_tag,
+        )
+        return lx.linear_solve(operator, b, lx.CG(rtol=1e-6, atol=1e-6)).value
+
+    def f(diagonals, b):
+        return lax.scan(lambda c, d: (c + jnp.sin(solve(d, b)), None), jnp.zeros(3), diagonals)[0]
+
+    diagonals = jnp.array([[2.0, 3.0, 4.0], [1.0, 5.0, 2.0]])
+    b = jnp.array([1.0, 2.0, 3.0])
+    with pytest.raises(NotImplementedError, match="'linear_solve'"):
+        count_primitives(f)(diagonals, b)
+    counts = opaque_counts_of(f, diagonals, b)
+    np.testing.assert_allclose(
+        count_primitives(f, policy=IGNORE)(diagonals, b)[0],
+        jnp.sin(b / diagonals[0]) + jnp.sin(b / diagonals[1]),
+        rtol=1e-5,
+    )
+    assert counts.opaque == {"linear_solve": 2}
+    assert counts["sin"] == 2 and counts["add"] == 2
+    # The solver's own loop runs inside the opaque call: none of it is counted.
+    assert "while" not in counts and "dot_general" not in counts
+
+
+def test_primitive_counts_show_opaque_calls():
+    counts = PrimitiveCounts({"add": 3, "exp": 1}, opaque={"linear_solve": 2})
+    lines = repr(counts).splitlines()
+    assert [line.split() for line in lines[3:-1]] == [
+        ["add", "3"],
+        ["exp", "1"],
+        ["not", "counted", "inside:"],
+        ["linear_solve", "2"],
+    ]
+    assert "not counted inside" in counts._repr_html_()
+    assert "<code>linear_solve</code>" in counts._repr_html_()
+    # Opaque calls ran, but are not primitives whose insides were counted.
+    assert counts.total() == 4
+    only_opaque = PrimitiveCounts(opaque={"library_call": 1})
+    assert "library_call" in repr(only_opaque)
+    assert "not counted inside" not in repr(PrimitiveCounts({"add": 1}))
+
+
+def test_primitive_counts_pytree_keeps_opaque_calls():
+    counts = PrimitiveCounts({"sin": 2, "add": 1}, opaque={"library_call": 5})
+    leaves, treedef = jax.tree.flatten(counts)
+    assert leaves == [1, 2, 5]
+    rebuilt = jax.tree.unflatten(treedef, leaves)
+    assert rebuilt == counts and rebuilt.opaque == {"library_call": 5}
+    doubled = jax.tree.map(lambda c: 2 * c, counts)
+    assert doubled == {"sin": 4, "add": 2} and doubled.opaque == {"library_call": 10}
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(counts)[0]]
+    assert paths == ["['add']", "['sin']", ".opaque['library_call']"]
 
 
 # ------------------------------------------------------------ errors, docs
