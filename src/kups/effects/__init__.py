@@ -3,6 +3,7 @@
 from ._defaults import default_dispatcher as default_dispatcher
 from ._dispatcher import Dispatcher as Dispatcher
 from ._dispatcher import Handler as Handler
+from ._dispatcher import StaleTraceWarning as StaleTraceWarning
 from ._effect import define_effect as define_effect
 from ._equations import shard_map_axes as shard_map_axes
 from ._equations import source_line as source_line
@@ -11,6 +12,7 @@ from ._equations import varying_axes as varying_axes
 from ._interpreter import Interpreter as Interpreter
 from ._matching import contains_subjaxprs as contains_subjaxprs
 from ._reinterpret import reinterpret as reinterpret
+from ._reinterpret import wraps_with_leading as wraps_with_leading
 from ._types import HandlerResult as HandlerResult
 from ._types import InterpreterPolicy as InterpreterPolicy
 from ._types import ScanSemantics as ScanSemantics
@@ -40,6 +42,7 @@ __all__ = [
     "Interpreter",
     "InterpreterPolicy",
     "ScanSemantics",
+    "StaleTraceWarning",
     "Uninitialized",
     "contains_subjaxprs",
     "default_checkpoint_handler",
@@ -60,4 +63,5 @@ __all__ = [
     "source_line",
     "source_location",
     "varying_axes",
+    "wraps_with_leading",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.extend
@@ -23,6 +23,7 @@ from jax._src import linear_util as _lu
 from jax._src import shard_map as _shard_map_impl
 from jax._src import sharding_impls as _sharding_impls
 from jax._src import source_info_util as _source_info_util
+from jax._src import traceback_util as _traceback_util
 from jax._src.interpreters import partial_eval as _pe
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
@@ -275,7 +276,7 @@ def scan_params(
         if "linear" in new:  # JAX < 0.10
             new["linear"] = (False,) * len(jaxpr.in_avals)
         return new
-    from jax._src import flattree as _flattree
+    from jax._src import flattree as _flattree  # pyright: ignore[reportAttributeAccessIssue]
 
     def prepend(extra: int, group: Any) -> Any:
         return _flattree.pack((_flattree.nones(extra), group)) if extra else group
@@ -487,3 +488,46 @@ def register_effect_type(effect_type: type[Any]) -> None:
         _effects.partial_eval_kept_effects,
     ):
         table.add_type(effect_type)
+
+
+# ---------------------------------------------------------------------------
+# Traceback filtering and trace state (JAX 0.10 to 0.12).
+#
+# JAX removes its own frames from the traceback of an error that crosses one of
+# its API boundaries (`jax.jit`, `jax.grad`, ...), unless
+# `JAX_TRACEBACK_FILTERING=off`. kups joins that mechanism: its frames are
+# registered as JAX's are, and its entry points are API boundaries.
+# ---------------------------------------------------------------------------
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def register_traceback_exclusion(path: str) -> None:
+    """Hides frames of files under `path` (a file or a directory ending in the path
+    separator) from filtered tracebacks, as JAX hides its own."""
+    _traceback_util.register_exclusion(path)
+
+
+def api_boundary(fn: _F) -> _F:
+    """`fn`, below which tracebacks are filtered (JAX's `api_boundary`)."""
+    return _traceback_util.api_boundary(fn)
+
+
+def is_staging() -> bool:
+    """Whether the current trace stages a jaxpr (`jax.jit`, `make_jaxpr`, a control
+    flow body) rather than evaluating eagerly or differentiating concrete values."""
+    return isinstance(_core.trace_ctx.trace, _pe.DynamicJaxprTrace)
+
+
+def adopt_debug_info(fn: Callable[..., Any], debug_info: Any) -> None:
+    """Makes JAX describe `fn` (in jaxprs and error messages) by `debug_info`, the
+    `DebugInfo` of the user's function `fn` stands in for, without its argument
+    names and result paths (which belong to the user's signature, not `fn`'s).
+
+    `jax._src.api_util.debug_info` reads the `__fun_debug_info__` attribute first
+    (JAX 0.10 to 0.12); elsewhere `fn` keeps only the user's name.
+    """
+    replace = getattr(debug_info, "_replace", None)
+    fields = getattr(debug_info, "_fields", ())
+    if replace is not None and {"arg_names", "result_paths"} <= set(fields):
+        fn.__fun_debug_info__ = replace(arg_names=None, result_paths=None)  # pyright: ignore[reportFunctionMemberAccess]

@@ -10,7 +10,6 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from . import _compat
-from ._compat_traceback import is_staging
 from ._context import leaked_static_paths
 from ._dispatcher import Dispatcher
 from ._matching import contains_subjaxprs, is_control_flow
@@ -142,7 +141,7 @@ class Interpreter:
         if self._depth == 0:
             self._body_cache = {}
             self._handled = handled_names(self.dispatcher)
-            if not self.dispatcher._staged and is_staging():
+            if not self.dispatcher._staged and _compat.is_staging():
                 self.dispatcher._staged = True
         self._depth += 1
         try:

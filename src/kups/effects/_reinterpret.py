@@ -87,7 +87,7 @@ def wraps_with_leading(fn: Callable[..., Any], *names: str) -> Callable[[F], F]:
     ```python
     import inspect
 
-    from kups.effects._reinterpret import wraps_with_leading
+    from kups.effects import wraps_with_leading
 
 
     def f(x, y=1.0):

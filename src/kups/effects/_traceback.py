@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 
-from ._compat_traceback import api_boundary as api_boundary
-from ._compat_traceback import register_traceback_exclusion
+from ._compat import api_boundary as api_boundary
+from ._compat import register_traceback_exclusion
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

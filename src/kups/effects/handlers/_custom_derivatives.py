@@ -22,7 +22,6 @@ from jax.extend.core import JaxprEqn
 
 from .. import _compat
 from .._body import TracedBody, trace_interpreted
-from .._compat_traceback import adopt_debug_info
 from .._context import split
 from .._types import HandlerResult
 
@@ -68,7 +67,7 @@ def _named_like(fn: Callable[..., Any], debug_info: Any) -> Callable[..., Any]:
     name = getattr(debug_info, "func_name", None)
     if isinstance(name, str) and name:
         fn.__name__ = fn.__qualname__ = name
-        adopt_debug_info(fn, debug_info)
+        _compat.adopt_debug_info(fn, debug_info)
     return fn
 
 
