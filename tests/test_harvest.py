@@ -8,6 +8,7 @@ scan's own stacked outputs) or are computed by hand; never from kups itself.
 
 import re
 import textwrap
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,9 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kups.effects import InterpreterPolicy
 from kups.harvest import MODES, harvest, nest, plant, reap, sow
+from library_primitive import library_call
 
 XS = jnp.array([0.5, -1.0, 2.0, 0.25, 1.5], jnp.float32)
 
@@ -1677,6 +1680,112 @@ def test_plant_ignores_init_and_nest_keeps_it():
     )
     _, sown = reap(nest(while_with_init, scope="w"), tag="t")(jnp.float32(1.0), 0)
     assert_tree_close(sown, {"w": {"last": {"count": np.int32(-1), "value": np.float32(-1.0)}}})
+
+
+# ---------------------------------------------------------------- policy: opaque control flow
+# `library_call` is a control-flow primitive kups has no handler for (see
+# tests/library_primitive.py): the interpreters cannot walk what it runs.
+
+IGNORE, WARN, RAISE = InterpreterPolicy.IGNORE, InterpreterPolicy.WARN, InterpreterPolicy.RAISE
+
+
+def hiding_a_sow(x):
+    def hidden(a):
+        return sow(jnp.sin(a), tag="t", name="hidden") * 2.0
+
+    y = sow(x + 1.0, tag="t", name="seen")
+    return library_call(hidden, y)[0]
+
+
+def hiding_a_sow_plainly(x):
+    return jnp.sin(x + 1.0) * 2.0
+
+
+@pytest.mark.parametrize("wrapper", [reap, plant, harvest, nest])
+def test_policy_must_be_an_interpreter_policy(wrapper):
+    options = {"scope": "s"} if wrapper is nest else {"tag": "t"}
+    with raises(TypeError, "RAISE", "WARN", "IGNORE", "InterpreterPolicy.WARN"):
+        wrapper(hiding_a_sow, policy="warn", **options)
+    with raises(TypeError, "InterpreterPolicy", "got 2"):
+        wrapper(hiding_a_sow, policy=2, **options)
+
+
+def test_raise_says_a_sow_in_opaque_control_flow_would_be_lost():
+    calls = [
+        lambda: reap(hiding_a_sow, tag="t")(1.0),
+        lambda: jax.jit(reap(hiding_a_sow, tag="t", policy=RAISE))(1.0),
+        lambda: plant(hiding_a_sow, tag="t")({"seen": 2.0}, 1.0),
+        lambda: harvest(hiding_a_sow, tag="t")({}, 1.0),
+        lambda: reap(nest(hiding_a_sow, scope="s"), tag="t", policy=IGNORE)(1.0),
+    ]
+    for call in calls:
+        with raises(NotImplementedError, "'library_call'", "library_primitive.py", "lost"):
+            call()
+
+
+@pytest.mark.parametrize("policy", [IGNORE, WARN])
+def test_a_sow_in_opaque_control_flow_is_not_reaped(policy):
+    x = jnp.float32(0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, reaped = reap(hiding_a_sow, tag="t", policy=policy)(x)
+        jit_out, jit_reaped = jax.jit(reap(hiding_a_sow, tag="t", policy=policy))(x)
+    assert_tree_close(out, hiding_a_sow_plainly(x))
+    assert_tree_close(reaped, {"seen": x + 1.0})
+    assert_tree_close((jit_out, jit_reaped), (out, reaped))
+    messages = [str(w.message) for w in caught if "'library_call'" in str(w.message)]
+    assert bool(messages) == (policy is WARN)
+
+
+def test_ignore_reaps_around_opaque_calls_in_scan_and_while():
+    def f(xs):
+        def step(carry, x):
+            carry = sow(carry + x, tag="t", name="total", mode="append")
+            # A strict sow inside a scan (or a while_loop, below) would be an
+            # error, but these are hidden in opaque calls: they are never reaped.
+            return library_call(lambda c: sow(c * 3.0, tag="t", name="inside"), carry)[0], None
+
+        total = lax.scan(step, jnp.float32(0), xs)[0]
+
+        def body(v):
+            return library_call(lambda a: sow(a * 2.0, tag="t", name="inside_while"), v)[0]
+
+        return lax.while_loop(lambda v: v < 100.0, body, total)
+
+    totals, carry = [], jnp.float32(0)
+    for x in XS:
+        carry = carry + x
+        totals.append(carry)
+        carry = carry * 3.0
+    final = carry
+    while final < 100.0:
+        final = final * 2.0
+    for wrapped in (reap(f, tag="t", policy=IGNORE), jax.jit(reap(f, tag="t", policy=IGNORE))):
+        out, reaped = wrapped(XS)
+        assert_tree_close(out, final)
+        assert_tree_close(reaped, {"total": jnp.stack(totals)})
+
+
+def test_plant_and_harvest_under_ignore_see_only_the_visible_sows():
+    x = jnp.float32(0.5)
+    planted = plant(hiding_a_sow, tag="t", policy=IGNORE)
+    assert_tree_close(planted({"seen": 3.0}, x), jnp.sin(3.0) * 2.0)
+    with raises(ValueError, "['hidden']", "never sows", "['seen']"):
+        planted({"hidden": 3.0}, x)
+    out, reaped = harvest(hiding_a_sow, tag="t", policy=IGNORE)({"seen": 3.0}, x)
+    assert_tree_close((out, reaped), (jnp.sin(3.0) * 2.0, {}))
+    out, reaped = reap(nest(hiding_a_sow, scope="s", policy=IGNORE), tag="t", policy=IGNORE)(x)
+    assert_tree_close((out, reaped), (hiding_a_sow_plainly(x), {"s": {"seen": x + 1.0}}))
+
+
+def test_opaque_control_flow_without_a_sow_runs_under_the_default_policy():
+    def f(x):
+        y = library_call(lambda a: jnp.cos(a) + 1.0, x)[0]
+        return sow(y, tag="t", name="y") * 2.0
+
+    x = jnp.float32(0.5)
+    out, reaped = reap(f, tag="t")(x)
+    assert_tree_close((out, reaped), ((jnp.cos(x) + 1.0) * 2.0, {"y": jnp.cos(x) + 1.0}))
 
 
 # ---------------------------------------------------------------- docstring examples

@@ -64,6 +64,7 @@ from jax.tree_util import GetAttrKey
 from kups.effects import (
     HandlerResult,
     Interpreter,
+    InterpreterPolicy,
     ScanSemantics,
     default_cond_handler,
     default_dispatcher,
@@ -534,8 +535,17 @@ def _filled(tag: str, sow_eqn: JaxprEqn, like: Any) -> Any:
 _SOWS: weakref.WeakKeyDictionary[Jaxpr, tuple[JaxprEqn, ...]] = weakref.WeakKeyDictionary()
 
 
+@functools.cache
+def _interpreted() -> frozenset[str]:
+    """The control-flow primitives whose sub-programs the interpreters walk: those
+    of JAX. Any other (a library's own) runs unchanged under `policy=IGNORE` or
+    `WARN`, so the sows inside it are not seen."""
+    return frozenset(default_dispatcher().handlers)
+
+
 def _sows_in(jaxpr: Jaxpr | ClosedJaxpr) -> tuple[JaxprEqn, ...]:
-    """Every `sow` equation of `jaxpr` and its sub-programs (any tag), cached."""
+    """Every `sow` equation of `jaxpr` and its sub-programs (any tag) that the
+    interpreters see, cached."""
     open_jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
     found = _SOWS.get(open_jaxpr)
     if found is None:
@@ -543,8 +553,9 @@ def _sows_in(jaxpr: Jaxpr | ClosedJaxpr) -> tuple[JaxprEqn, ...]:
         for eqn in open_jaxpr.eqns:
             if eqn.primitive is _sow_p:
                 eqns.append(eqn)
-            for sub in jaxprs_in_params(eqn.params):
-                eqns.extend(_sows_in(sub))
+            elif eqn.primitive.name in _interpreted():
+                for sub in jaxprs_in_params(eqn.params):
+                    eqns.extend(_sows_in(sub))
         found = _SOWS[open_jaxpr] = tuple(eqns)
     return found
 
@@ -572,14 +583,16 @@ class _Reaper:
     def label(self, path: _Path) -> str:
         return _describe(self.tag, path)
 
-    def interpreter(self, caller: str) -> Interpreter:
+    def interpreter(self, caller: str, policy: InterpreterPolicy) -> Interpreter:
         dispatcher = default_dispatcher()
         dispatcher.register_handler(_sow_p, self.sow)
         dispatcher.register_handler("scan", self.scan)
         dispatcher.register_handler("while", self.while_loop)
         dispatcher.register_handler("cond", self.cond)
         dispatcher.register_handler("shard_map", self.shard_map)
-        return Interpreter(dispatcher, label=f"kups.harvest.{caller}({self.selection})")
+        return Interpreter(
+            dispatcher, policy=policy, label=f"kups.harvest.{caller}({self.selection})"
+        )
 
     def result(self, ctx: _Reaped) -> dict[str, Any]:
         """The reaped values as nested dicts (a scope is a dict of its names)."""
@@ -788,6 +801,7 @@ def reap(
     allowlist: Iterable[str | tuple[str, ...]] | None = None,
     blocklist: Iterable[str | tuple[str, ...]] | None = None,
     exclusive: bool = False,
+    policy: InterpreterPolicy = InterpreterPolicy.RAISE,
 ) -> Callable[..., tuple[Any, dict[str, Any]]]:
     """Wraps `fn` so that it also returns the values it sows under `tag`.
 
@@ -810,6 +824,13 @@ def reap(
       A name in both lists is an error.
     - `exclusive`: if `True`, sows of other tags are removed while `fn` runs,
       so no enclosing `reap` or `plant` sees them.
+    - `policy`: what to do with a control-flow primitive kups has no handler
+      for (a library's own, such as lineax's `linear_solve`) when a sow is
+      inside it: `InterpreterPolicy.RAISE` (the default) raises
+      `NotImplementedError` naming the primitive, since the sow would be lost;
+      `WARN` warns and runs it unchanged; `IGNORE` runs it unchanged. A sow
+      inside a primitive run unchanged is not reaped (nor planted). Such a
+      primitive with no sow inside always runs unchanged.
 
     **Returns:**
 
@@ -846,11 +867,12 @@ def reap(
     selection = _Selection.of("reap", tag, allowlist, blocklist, exclusive)
     if not callable(fn):
         raise TypeError(f"reap(fn, tag=...) needs a callable fn, got {type(fn).__name__}.")
+    _check_policy("reap", policy)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         reaper = _Reaper(selection)
-        interpreter = reaper.interpreter("reap")
+        interpreter = reaper.interpreter("reap", policy)
         out, ctx = reinterpret(fn, interpreter)(_Reaped(tag, {}, {}), *args, **kwargs)
         return out, reaper.result(ctx)
 
@@ -881,13 +903,15 @@ class _Planter:
             and _lookup(self.tag, ctx.values, _path_of(eqn), eqn) is not _MISSING
         ]
 
-    def interpreter(self, caller: str) -> Interpreter:
+    def interpreter(self, caller: str, policy: InterpreterPolicy) -> Interpreter:
         dispatcher = default_dispatcher()
         dispatcher.register_handler(_sow_p, self.sow)
         dispatcher.register_handler("scan", self.scan)
         dispatcher.register_handler("while", self.while_loop)
         dispatcher.register_handler("shard_map", self.shard_map)
-        return Interpreter(dispatcher, label=f"kups.harvest.{caller}({self.selection})")
+        return Interpreter(
+            dispatcher, policy=policy, label=f"kups.harvest.{caller}({self.selection})"
+        )
 
     def check_all_used(self, caller: str, values: Mapping[str, Any]) -> None:
         unused = sorted(_unused(values, self.seen))
@@ -1133,18 +1157,32 @@ def _check_values(caller: str, tag: str, values: Any) -> None:
         )
 
 
+def _check_policy(caller: str, policy: Any) -> None:
+    if isinstance(policy, InterpreterPolicy):
+        return
+    hint = ""
+    if isinstance(policy, str) and policy.upper() in InterpreterPolicy.__members__:
+        hint = f" For {policy!r}, pass InterpreterPolicy.{policy.upper()}."
+    raise TypeError(
+        f"{caller}(fn, policy=...) takes an InterpreterPolicy, one of "
+        f"InterpreterPolicy.RAISE, InterpreterPolicy.WARN or InterpreterPolicy.IGNORE "
+        f"(from kups.effects import InterpreterPolicy); got {policy!r}.{hint}"
+    )
+
+
 def _planted_call(
     fn: Callable[..., Any],
     selection: _Selection,
     caller: str,
     consume: bool,
+    policy: InterpreterPolicy,
     values: Mapping[str, Any],
     *args: Any,
     **kwargs: Any,
 ) -> Any:
     planter = _Planter(selection, consume=consume)
     ctx = _Planted(selection.tag, values, {}, (), ())
-    out, _ = reinterpret(fn, planter.interpreter(caller))(ctx, *args, **kwargs)
+    out, _ = reinterpret(fn, planter.interpreter(caller, policy))(ctx, *args, **kwargs)
     planter.check_all_used(caller, values)
     return out
 
@@ -1156,6 +1194,7 @@ def plant(
     allowlist: Iterable[str | tuple[str, ...]] | None = None,
     blocklist: Iterable[str | tuple[str, ...]] | None = None,
     exclusive: bool = False,
+    policy: InterpreterPolicy = InterpreterPolicy.RAISE,
 ) -> Callable[..., Any]:
     """Wraps `fn` so that the values it sows under `tag` are replaced by given ones.
 
@@ -1178,6 +1217,8 @@ def plant(
       they leave out keep their values and stay in the program.
     - `exclusive`: if `True`, sows of other tags are removed while `fn` runs,
       so no enclosing `reap` or `plant` sees them.
+    - `policy`: for a control-flow primitive kups has no handler for, with a
+      sow inside, as for `reap`.
 
     **Returns:**
 
@@ -1206,11 +1247,12 @@ def plant(
     selection = _Selection.of("plant", tag, allowlist, blocklist, exclusive)
     if not callable(fn):
         raise TypeError(f"plant(fn, tag=...) needs a callable fn, got {type(fn).__name__}.")
+    _check_policy("plant", policy)
 
     @functools.wraps(fn)
     def wrapped(values: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
         _check_values("plant", tag, values)
-        return _planted_call(fn, selection, "plant", False, values, *args, **kwargs)
+        return _planted_call(fn, selection, "plant", False, policy, values, *args, **kwargs)
 
     return wrapped
 
@@ -1225,6 +1267,7 @@ def harvest(
     allowlist: Iterable[str | tuple[str, ...]] | None = None,
     blocklist: Iterable[str | tuple[str, ...]] | None = None,
     exclusive: bool = False,
+    policy: InterpreterPolicy = InterpreterPolicy.RAISE,
 ) -> Callable[..., tuple[Any, dict[str, Any]]]:
     """Wraps `fn` so that it plants given values and reaps the others, in one call.
 
@@ -1239,8 +1282,8 @@ def harvest(
 
     - `fn`: the function to run. Its arguments that are not arrays are static.
     - `tag`: which sows to act on.
-    - `allowlist`, `blocklist`, `exclusive`: as for `reap`; they apply to
-      planting and reaping alike.
+    - `allowlist`, `blocklist`, `exclusive`, `policy`: as for `reap`; they
+      apply to planting and reaping alike.
 
     **Returns:**
 
@@ -1273,13 +1316,14 @@ def harvest(
     selection = _Selection.of("harvest", tag, allowlist, blocklist, exclusive)
     if not callable(fn):
         raise TypeError(f"harvest(fn, tag=...) needs a callable fn, got {type(fn).__name__}.")
-    planted = functools.partial(_planted_call, fn, selection, "harvest", True)
+    _check_policy("harvest", policy)
+    planted = functools.partial(_planted_call, fn, selection, "harvest", True, policy)
 
     @functools.wraps(fn)
     def wrapped(values: Mapping[str, Any], *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         _check_values("harvest", tag, values)
         reaper = _Reaper(selection)
-        interpreter = reaper.interpreter("harvest")
+        interpreter = reaper.interpreter("harvest", policy)
         out, ctx = reinterpret(planted, interpreter)(_Reaped(tag, {}, {}), values, *args, **kwargs)
         return out, reaper.result(ctx)
 
@@ -1289,7 +1333,9 @@ def harvest(
 # ---------------------------------------------------------------- nest
 
 
-def nest(fn: Callable[..., Any], *, scope: str) -> Callable[..., Any]:
+def nest(
+    fn: Callable[..., Any], *, scope: str, policy: InterpreterPolicy = InterpreterPolicy.RAISE
+) -> Callable[..., Any]:
     """Wraps `fn` so that the names it sows (of every tag) live in `scope`.
 
     `reap` returns them as `reaped[scope][name]` and `plant` takes them as
@@ -1304,6 +1350,9 @@ def nest(fn: Callable[..., Any], *, scope: str) -> Callable[..., Any]:
       are static.
     - `scope`: a non-empty string, the key of the scope in the result. It must
       not also be a name sown next to it.
+    - `policy`: for a control-flow primitive kups has no handler for, with a
+      sow inside, as for `reap` (a sow inside one run unchanged keeps its
+      unscoped name).
 
     **Returns:**
 
@@ -1334,6 +1383,7 @@ def nest(fn: Callable[..., Any], *, scope: str) -> Callable[..., Any]:
         raise TypeError(f"nest(fn, scope=...) needs a non-empty string scope, got {scope!r}.")
     if not callable(fn):
         raise TypeError(f"nest(fn, scope=...) needs a callable fn, got {type(fn).__name__}.")
+    _check_policy("nest", policy)
 
     def rescope(
         interpreter: Interpreter, ctx: Any, eqn: JaxprEqn, invals: list[Any]
@@ -1347,7 +1397,9 @@ def nest(fn: Callable[..., Any], *, scope: str) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         dispatcher = default_dispatcher().register_handler(_sow_p, rescope)
-        interpreter = Interpreter(dispatcher, label=f"kups.harvest.nest(scope={scope!r})")
+        interpreter = Interpreter(
+            dispatcher, policy=policy, label=f"kups.harvest.nest(scope={scope!r})"
+        )
         out, _ = reinterpret(fn, interpreter)((), *args, **kwargs)
         return out
 
