@@ -1,0 +1,475 @@
+"""kups on real programs of the JAX ecosystem (the `ecosystem` extra).
+
+Each library's program is small (a few steps, a few numbers) and run through
+kups four ways, with plain JAX as the oracle:
+
+- the identity interpretation, `reinterpret(f, Interpreter(default_dispatcher()))`,
+  returns `f`'s outputs bit for bit, eagerly and under `jax.jit`, and the context
+  unchanged;
+- gradients through the interpretation equal plain JAX's gradients bit for bit;
+- one `count_primitives` figure equals a count made without kups: the library's
+  own step statistics times what one step runs, or the primitive counted in
+  `jax.make_jaxpr` times the loops' trip counts;
+- an effect used inside the library's code: a `sow` reaped, a `check` failing,
+  a NaN found.
+
+`count_primitives` walks every equation (it has a fallback handler), so its
+outputs are also compared with plain JAX: that is the identity of a walking
+interpreter, where the `default_dispatcher()` identity may re-bind untouched
+control flow whole.
+
+Each library is imported with `pytest.importorskip`, so the suite runs without
+the extra. Where kups fails on a program, the test is an `xfail(strict=True)`
+naming the kups limitation, so it flips when that is fixed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
+
+from kups.checks import check, checked
+from kups.debug import find_nans
+from kups.effects import Interpreter, InterpreterPolicy, default_dispatcher, reinterpret
+from kups.harvest import reap, sow
+from kups.instrument import count_primitives
+
+pytestmark = pytest.mark.ecosystem
+
+IDENTITY = Interpreter(default_dispatcher())
+# A context the identity must hand back unchanged.
+CTX = {"step": jnp.int32(3), "scale": jnp.float32(0.5)}
+
+
+def library(module: str, distribution: str) -> ModuleType:
+    """Imports a library of the extra, or skips: not installed (no extra), or
+    installed but broken on the running JAX (skipped with that reason)."""
+    pytest.importorskip(
+        module.split(".")[0],
+        reason=f"{distribution} is not installed: pip install 'kups[ecosystem]'",
+    )
+    try:
+        return importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any import failure means "unsupported here"
+        version = importlib.metadata.version(distribution)
+        pytest.skip(
+            f"{distribution} {version} does not support JAX {jax.__version__}: "
+            f"{type(exc).__name__}: {exc}"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Oracles.
+# ---------------------------------------------------------------------------
+
+
+def assert_trees_equal(actual: Any, expected: Any, what: str) -> None:
+    """Same tree structure, and every leaf equal bit for bit (NaNs where the
+    expected value has NaNs), with the same dtype."""
+    actual_leaves, actual_tree = jax.tree.flatten(actual)
+    expected_leaves, expected_tree = jax.tree.flatten(expected)
+    assert actual_tree == expected_tree, f"{what}: {actual_tree} != {expected_tree}"
+    for i, (a, e) in enumerate(zip(actual_leaves, expected_leaves, strict=True)):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.dtype == e.dtype, f"{what} leaf {i}: dtype {a.dtype} != {e.dtype}"
+        if jnp.issubdtype(e.dtype, jax.dtypes.prng_key):
+            a, e = np.asarray(jax.random.key_data(a)), np.asarray(jax.random.key_data(e))
+        equal_nan = bool(jnp.issubdtype(e.dtype, jnp.inexact))
+        assert np.array_equal(a, e, equal_nan=equal_nan), f"{what} leaf {i}: {a} != {e}"
+
+
+def identity(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` interpreted by the identity, with the context threaded through."""
+    return reinterpret(fn, IDENTITY)
+
+
+def assert_identity(fn: Callable[..., Any], *args: Any, eager_expected: Any = None) -> Any:
+    """The identity interpretation of `fn` returns `fn(*args)` and the context,
+    eagerly and under `jit` (compared with `jax.jit(fn)`). Returns `fn(*args)`."""
+    expected = fn(*args)
+    out, ctx = identity(fn)(CTX, *args)
+    assert_trees_equal(out, expected if eager_expected is None else eager_expected, "eager")
+    assert_trees_equal(ctx, CTX, "eager context")
+    out, ctx = jax.jit(identity(fn))(CTX, *args)
+    assert_trees_equal(out, jax.jit(fn)(*args), "jit")
+    assert_trees_equal(ctx, CTX, "jit context")
+    return expected
+
+
+def assert_grad_identity(
+    loss: Callable[..., Any], *args: Any, argnums: int | tuple[int, ...], eager: bool = True
+) -> Any:
+    """`jax.grad` through the identity interpretation equals plain `jax.grad`
+    under `jit` and (with `eager=True`) eagerly. Returns the plain jitted gradient.
+
+    Eager gradients of long loops run op by op, slowly: programs with many steps
+    compare under `jit` only."""
+
+    def interpreted_loss(*a: Any) -> Any:
+        out, _ = identity(loss)(CTX, *a)
+        return out
+
+    if eager:
+        assert_trees_equal(
+            jax.grad(interpreted_loss, argnums=argnums)(*args),
+            jax.grad(loss, argnums=argnums)(*args),
+            "grad",
+        )
+    expected = jax.jit(jax.grad(loss, argnums=argnums))(*args)
+    assert_trees_equal(
+        jax.jit(jax.grad(interpreted_loss, argnums=argnums))(*args), expected, "jit(grad)"
+    )
+    return expected
+
+
+def count_and_compare(fn: Callable[..., Any], *args: Any, **options: Any) -> Any:
+    """`count_primitives(fn)(*args)`, checking that its outputs are `fn`'s."""
+    out, counts = count_primitives(fn, **options)(*args)
+    assert_trees_equal(out, fn(*args), "count_primitives outputs")
+    return counts
+
+
+def static_count(jaxpr: Jaxpr | ClosedJaxpr, name: str) -> int:
+    """How many times `name` runs in `jaxpr`, read off the program without kups:
+    a `scan` body counts `length` times, anything else holding sub-programs
+    (`jit`, `custom_jvp_call`, `remat`, ...) once. A `cond` whose branches run
+    `name` a different number of times, or a `while` that runs it, has no static
+    count: an error."""
+    if isinstance(jaxpr, ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    total = 0
+    for eqn in jaxpr.eqns:
+        primitive = eqn.primitive.name
+        if primitive == name:
+            total += 1
+        if primitive == "scan":
+            total += eqn.params["length"] * static_count(eqn.params["jaxpr"], name)
+        elif primitive == "cond":
+            counts = {static_count(branch, name) for branch in eqn.params["branches"]}
+            if len(counts) > 1:
+                raise ValueError(f"the branches of a cond run {name!r} {sorted(counts)} times")
+            total += counts.pop()
+        elif primitive == "while":
+            inside = static_count(eqn.params["body_jaxpr"], name)
+            inside += static_count(eqn.params["cond_jaxpr"], name)
+            if inside:
+                raise ValueError(f"a while loop runs {name!r}: no static count")
+        else:
+            total += sum(static_count(sub, name) for sub in jaxprs_in_params(eqn.params))
+    return total
+
+
+# ---------------------------------------------------------------------------
+# diffrax: an adaptive ODE solve and its gradient.
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dfx() -> ModuleType:
+    return library("diffrax", "diffrax")
+
+
+def ode_solver(dfx: ModuleType, vector_field: Callable[..., Any]) -> Callable[..., Any]:
+    """Tsit5 with a PID step-size controller from t=0 to t=2, the solution at
+    t=2 and the solver's statistics; the default adjoint
+    (RecursiveCheckpointAdjoint)."""
+
+    def solve(y0: jax.Array, k: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+        solution = dfx.diffeqsolve(
+            dfx.ODETerm(vector_field),
+            dfx.Tsit5(),
+            t0=0.0,
+            t1=2.0,
+            dt0=0.1,
+            y0=y0,
+            args=k,
+            stepsize_controller=dfx.PIDController(rtol=1e-5, atol=1e-5),
+            saveat=dfx.SaveAt(t1=True),
+            max_steps=64,
+        )
+        return solution.ys, solution.stats
+
+    return solve
+
+
+def decay(t: jax.Array, y: jax.Array, k: jax.Array) -> jax.Array:
+    return -k * y + jnp.sin(t)
+
+
+ODE_ARGS = (jnp.array([1.0, 2.0]), jnp.float32(0.7))
+
+
+def test_diffrax_identity(dfx: ModuleType) -> None:
+    assert_identity(ode_solver(dfx, decay), *ODE_ARGS)
+
+
+def test_diffrax_gradient(dfx: ModuleType) -> None:
+    solve = ode_solver(dfx, decay)
+
+    def loss(y0: jax.Array, k: jax.Array) -> jax.Array:
+        ys, _ = solve(y0, k)
+        return jnp.sum(ys**2)
+
+    grads = assert_grad_identity(loss, *ODE_ARGS, argnums=(0, 1), eager=False)
+    assert all(bool(jnp.all(g != 0)) for g in grads)
+
+
+def test_diffrax_count(dfx: ModuleType) -> None:
+    solve = ode_solver(dfx, decay)
+    counts = count_and_compare(solve, *ODE_ARGS)
+    _, stats = solve(*ODE_ARGS)
+    steps = int(stats["num_steps"])  # accepted and rejected
+    assert steps > 2
+    # Tsit5 is first-same-as-last: the vector field (one `sin`) runs once at t0,
+    # then six times a step, whether the step is accepted or rejected.
+    assert counts["sin"] == 1 + 6 * steps
+    assert counts.opaque == {}
+
+
+def test_diffrax_check_in_vector_field(dfx: ModuleType) -> None:
+    def guarded(limit: float) -> Callable[..., Any]:
+        def vector_field(t: jax.Array, y: jax.Array, k: jax.Array) -> jax.Array:
+            check(y[0] < limit, "y[0]={} at t={}", y[0], t)
+            return decay(t, y, k)
+
+        return ode_solver(dfx, vector_field)
+
+    ys, stats = ode_solver(dfx, decay)(*ODE_ARGS)
+    assert float(ys[0, 0]) > 1.1  # so the vector field saw y[0] > 1.1 at some stage
+    (out, _), error = checked(guarded(1.1))(*ODE_ARGS)
+    assert_trees_equal(out, ys, "checked outputs")
+    assert error.message is not None and error.message.startswith("y[0]=")
+    assert float(error.message.split("=")[1].split()[0]) >= 1.1
+    assert error.iteration is not None and 0 <= error.iteration[0] < int(stats["num_steps"])
+    assert error.source is not None and error.source.startswith("test_ecosystem.py:")
+    _, error = checked(guarded(100.0))(*ODE_ARGS)
+    assert error.get() is None
+
+
+def test_diffrax_sow_in_vector_field(dfx: ModuleType) -> None:
+    def vector_field(t: jax.Array, y: jax.Array, k: jax.Array) -> jax.Array:
+        t = sow(t, tag="ode", name="t", mode="clobber", init=-1)
+        return decay(t, y, k)
+
+    (ys, _), reaped = reap(ode_solver(dfx, vector_field), tag="ode")(*ODE_ARGS)
+    assert_trees_equal(ys, ode_solver(dfx, decay)(*ODE_ARGS)[0], "reaped outputs")
+    # Tsit5's last stage of the last step is at the step's end: t1.
+    assert_trees_equal(reaped, {"t": jnp.float32(2.0)}, "reaped")
+
+
+# ---------------------------------------------------------------------------
+# lineax: CG on a matrix-free operator.
+# ---------------------------------------------------------------------------
+
+# Every effect inside a lineax solve needs kups to walk lineax's `linear_solve`,
+# an equinox filter primitive that holds the operator's jaxprs inside a tuple
+# param; kups has no handler for it.
+LINEAR_SOLVE_OPAQUE = (
+    "kups has no handler for lineax's linear_solve (an equinox filter primitive "
+    "holding its jaxprs in tuple params): effects and counts cannot go inside it"
+)
+
+
+@pytest.fixture(scope="module")
+def lx() -> ModuleType:
+    return library("lineax", "lineax")
+
+
+SPD = jnp.array([[4.0, 1.0, 0.0], [1.0, 3.0, 1.0], [0.0, 1.0, 2.0]])
+CG_ARGS = (jnp.array([1.0, -2.0, 0.5]), jnp.float32(1.5))
+
+
+def cg_solver(lx: ModuleType, matvec: Callable[..., Any]) -> Callable[..., Any]:
+    """Solves `matvec(v, scale) = b` with CG on a `FunctionLinearOperator`:
+    the solution and the solver's statistics."""
+
+    def solve(b: jax.Array, scale: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+        operator = lx.FunctionLinearOperator(
+            lambda v: matvec(v, scale),
+            jax.ShapeDtypeStruct((3,), jnp.float32),
+            tags=lx.positive_semidefinite_tag,
+        )
+        solution = lx.linear_solve(operator, b, lx.CG(rtol=1e-6, atol=1e-6))
+        return solution.value, solution.stats
+
+    return solve
+
+
+def spd_matvec(v: jax.Array, scale: jax.Array) -> jax.Array:
+    return scale * (SPD @ v)
+
+
+def test_lineax_identity(lx: ModuleType) -> None:
+    value, _ = assert_identity(cg_solver(lx, spd_matvec), *CG_ARGS)
+    np.testing.assert_allclose(spd_matvec(value, CG_ARGS[1]), CG_ARGS[0], rtol=1e-5, atol=1e-5)
+
+
+def test_lineax_gradient(lx: ModuleType) -> None:
+    solve = cg_solver(lx, spd_matvec)
+
+    def loss(b: jax.Array, scale: jax.Array) -> jax.Array:
+        value, _ = solve(b, scale)
+        return jnp.sum(value**2)
+
+    grads = assert_grad_identity(loss, *CG_ARGS, argnums=(0, 1))
+    assert all(bool(jnp.all(g != 0)) for g in grads)
+
+
+def counting_matvec(calls: list[np.ndarray]) -> Callable[..., Any]:
+    """`spd_matvec` that records, through a host callback, each vector it is
+    applied to when it runs: how many times (and on what) CG applied it."""
+
+    def matvec(v: jax.Array, scale: jax.Array) -> jax.Array:
+        jax.debug.callback(lambda x: calls.append(np.asarray(x)), v)
+        return spd_matvec(v, scale)
+
+    return matvec
+
+
+def test_lineax_count_around_opaque_solve(lx: ModuleType) -> None:
+    counts = count_and_compare(cg_solver(lx, spd_matvec), *CG_ARGS, policy=InterpreterPolicy.IGNORE)
+    # One call of the solve primitive, whose inside is not counted.
+    assert counts.opaque == {"linear_solve": 1}
+
+
+@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=LINEAR_SOLVE_OPAQUE)
+def test_lineax_count(lx: ModuleType) -> None:
+    calls: list[np.ndarray] = []
+    solve = cg_solver(lx, counting_matvec(calls))
+    _, stats = solve(*CG_ARGS)
+    expected = len(calls)
+    assert expected >= int(stats["num_steps"]) > 1
+    calls.clear()
+    counts = count_and_compare(solve, *CG_ARGS)
+    # One host callback per application of the operator, as the callbacks counted.
+    assert counts["debug_callback"] == expected
+    assert counts.opaque == {}
+
+
+@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=LINEAR_SOLVE_OPAQUE)
+def test_lineax_sow_in_operator(lx: ModuleType) -> None:
+    calls: list[np.ndarray] = []
+    cg_solver(lx, counting_matvec(calls))(*CG_ARGS)
+    last_vector = calls[-1]
+
+    def matvec(v: jax.Array, scale: jax.Array) -> jax.Array:
+        v = sow(v, tag="cg", name="v", mode="clobber", init=0)
+        return spd_matvec(v, scale)
+
+    (value, _), reaped = reap(cg_solver(lx, matvec), tag="cg")(*CG_ARGS)
+    assert_trees_equal(value, cg_solver(lx, spd_matvec)(*CG_ARGS)[0], "reaped outputs")
+    # The last vector CG applied the operator to, as the host callback saw it.
+    assert_trees_equal(reaped, {"v": jnp.asarray(last_vector)}, "reaped")
+
+
+@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=LINEAR_SOLVE_OPAQUE)
+def test_lineax_find_nans(lx: ModuleType) -> None:
+    b, scale = CG_ARGS
+    solve = cg_solver(lx, spd_matvec)
+    nan = jnp.float32(jnp.nan)
+    # lineax's CG hides a NaN operator: the solution comes out finite (zeros), so
+    # only report="first" can find where the NaN was made.
+    value, _ = solve(b, nan)
+    assert bool(jnp.all(jnp.isfinite(value)))
+    _, report = find_nans(solve, report="first")(b, nan)
+    assert report.found
+    assert report.source is not None and report.source.startswith("test_ecosystem.py:")
+    _, report = find_nans(solve, report="first")(b, scale)
+    assert not report.found
+
+
+# ---------------------------------------------------------------------------
+# optimistix: a Newton root find.
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def optx() -> ModuleType:
+    return library("optimistix", "optimistix")
+
+
+ROOT_ARGS = (jnp.full((3,), 0.5), jnp.array([0.1, 0.5, 2.0]))
+
+
+def cubic(y: jax.Array, a: jax.Array) -> jax.Array:
+    return jnp.tanh(y) + y**3 - a
+
+
+def newton_root(optx: ModuleType, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The root of `fn(y, a) = 0` by Newton's method from `y0`, and the solver's
+    statistics."""
+
+    def root(y0: jax.Array, a: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+        solution = optx.root_find(
+            fn, optx.Newton(rtol=1e-6, atol=1e-6), y0, args=a, max_steps=20, throw=False
+        )
+        return solution.value, solution.stats
+
+    return root
+
+
+def test_optimistix_identity(optx: ModuleType) -> None:
+    value, _ = assert_identity(newton_root(optx, cubic), *ROOT_ARGS)
+    np.testing.assert_allclose(cubic(value, ROOT_ARGS[1]), 0.0, atol=1e-5)
+
+
+def test_optimistix_gradient(optx: ModuleType) -> None:
+    root = newton_root(optx, cubic)
+
+    def loss(y0: jax.Array, a: jax.Array) -> jax.Array:
+        value, _ = root(y0, a)
+        return jnp.sum(value)
+
+    grad = assert_grad_identity(loss, *ROOT_ARGS, argnums=1)
+    # The implicit function theorem: dy/da = 1 / f'(y) at the root.
+    value, _ = root(*ROOT_ARGS)
+    expected = 1.0 / (1.0 - jnp.tanh(value) ** 2 + 3.0 * value**2)
+    np.testing.assert_allclose(grad, expected, rtol=1e-5)
+
+
+def test_optimistix_count_around_opaque_solves(optx: ModuleType) -> None:
+    root = newton_root(optx, cubic)
+    counts = count_and_compare(root, *ROOT_ARGS, policy=InterpreterPolicy.IGNORE)
+    steps = int(root(*ROOT_ARGS)[1]["num_steps"])
+    assert steps > 2
+    # Each Newton step evaluates the function (one `tanh`) once, outside the
+    # linear solve, and solves one linear system.
+    assert counts["tanh"] == steps
+    assert counts.opaque == {"linear_solve": steps}
+
+
+def test_optimistix_sow_in_function(optx: ModuleType) -> None:
+    def fn(y: jax.Array, a: jax.Array) -> jax.Array:
+        y = sow(y, tag="newton", name="y", mode="clobber", init=0)
+        return cubic(y, a)
+
+    # IGNORE: the solver's linear solves (which also trace `fn`, for the Jacobian)
+    # run unchanged; the sows of the Newton loop itself are reaped.
+    (value, _), reaped = reap(newton_root(optx, fn), tag="newton", policy=InterpreterPolicy.IGNORE)(
+        *ROOT_ARGS
+    )
+    expected, _ = newton_root(optx, cubic)(*ROOT_ARGS)
+    assert_trees_equal(value, expected, "reaped outputs")
+    # Newton's convergence test evaluates the function at the iterate it returns,
+    # last.
+    assert_trees_equal(reaped, {"y": expected}, "reaped")
+
+
+@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=LINEAR_SOLVE_OPAQUE)
+def test_optimistix_find_nans(optx: ModuleType) -> None:
+    y0, a = ROOT_ARGS
+    poisoned = a.at[1].set(jnp.nan)
+    value, _ = newton_root(optx, cubic)(y0, poisoned)
+    assert bool(jnp.isnan(value[1]))
+    _, report = find_nans(newton_root(optx, cubic))(y0, poisoned)
+    assert report.found
+    assert report.source is not None and report.source.startswith("test_ecosystem.py:")
