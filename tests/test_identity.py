@@ -274,12 +274,17 @@ class Sides:
 # The corpus itself.
 # ---------------------------------------------------------------------------
 
+
 def _call_primitive_name() -> str:
     """`closed_call` binds as an `eval_jaxpr` equation from JAX 0.11 on."""
     from jax.extend.core.primitives import closed_call_p
 
+    from kups.effects import _compat
+
     body = jax.make_jaxpr(jnp.sin)(1.0)
-    staged = jax.make_jaxpr(lambda x: closed_call_p.bind(x, call_jaxpr=body))(1.0)
+    staged = jax.make_jaxpr(
+        lambda x: _compat.bind_equation(closed_call_p, {"call_jaxpr": body}, [x])
+    )(1.0)
     return staged.eqns[0].primitive.name
 
 

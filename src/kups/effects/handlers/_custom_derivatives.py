@@ -95,6 +95,7 @@ def default_custom_jvp_handler(
     `symbolic_zeros=True` sees the others' tangents as symbolic zeros, as in plain
     JAX); the context carries no tangent (its tangents are zero).
     """
+    _compat.check_params(eqn)
     body, ctx_values = _traced(interpreter, ctx, eqn, "custom_jvp")
     original = _original(eqn)
 
@@ -165,6 +166,7 @@ def default_custom_vjp_handler(
     inputs only: a rule declared with `symbolic_zeros=True` sees `.perturbed`
     false for constants, as in plain JAX. The context gets zero cotangents.
     """
+    _compat.check_params(eqn)
     body, ctx_values = _traced(interpreter, ctx, eqn, "custom_vjp")
     original = _original(eqn)
     out_avals = tuple(v.aval for v in eqn.outvars)

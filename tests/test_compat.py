@@ -1,0 +1,104 @@
+"""kups on the running JAX release: the parameters of every control-flow primitive
+are ones kups knows, and one it does not know stops kups with a clear error."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.extend.core.primitives import closed_call_p
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from kups.effects import Interpreter, default_dispatcher, default_primitive_handler, reinterpret
+from kups.effects import _compat
+from kups.effects._defaults import DEFAULT_HANDLERS
+
+X = jnp.arange(8.0)
+
+
+@jax.custom_jvp
+def _custom_jvp(x):
+    return jnp.sin(x)
+
+
+_custom_jvp.defjvp(lambda primals, tangents: (_custom_jvp(primals[0]), tangents[0]))
+
+
+@jax.custom_vjp
+def _custom_vjp(x):
+    return jnp.sin(x)
+
+
+_custom_vjp.defvjp(lambda x: (_custom_vjp(x), x), lambda x, g: (g * jnp.cos(x),))
+
+
+def _shard_map(x):
+    mesh = jax.make_mesh((8,), ("i",), axis_types=(AxisType.Auto,))
+    return jax.shard_map(lambda a: a * 2, mesh=mesh, in_specs=P("i"), out_specs=P("i"))(x)
+
+
+def _call(x):
+    return _compat.bind_equation(closed_call_p, {"call_jaxpr": jax.make_jaxpr(jnp.sin)(x)}, [x])[0]
+
+
+# One program per control-flow primitive kups has a default handler for.
+PROGRAMS = {
+    "jit": lambda x: jax.jit(jnp.sin)(x),
+    "scan": lambda x: lax.scan(lambda c, a: (c + a, a * c), 0.0, x),
+    "while": lambda x: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2), (0, x)),
+    "cond": lambda x: lax.switch(1, [jnp.sin, jnp.cos, jnp.tan], x),
+    "remat2": lambda x: jax.checkpoint(jnp.sin)(x),
+    "custom_jvp_call": _custom_jvp,
+    "custom_vjp_call": _custom_vjp,
+    "shard_map": _shard_map,
+    "custom_linear_solve": lambda x: lax.custom_linear_solve(
+        lambda v: 2 * v, x, lambda mv, b: b / 2
+    ),
+    "call": _call,
+}
+
+
+def _equation(fn, name):
+    jaxpr = jax.make_jaxpr(fn)(X)
+    names = [e.primitive.name for e in jaxpr.eqns]
+    return jaxpr, next(e for e in jaxpr.eqns if e.primitive.name in {name, "eval_jaxpr"}), names
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_the_running_jax_gives_only_parameters_kups_knows(name):
+    _, eqn, _ = _equation(PROGRAMS[name], name if name != "call" else "closed_call")
+    known = _compat.KNOWN_PARAMS[eqn.primitive.name]
+    assert set(eqn.params) <= known, (jax.__version__, set(eqn.params) - known)
+    assert eqn.primitive.name in DEFAULT_HANDLERS
+    out, ctx = reinterpret(PROGRAMS[name], Interpreter(default_dispatcher()))(0, X)
+    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(PROGRAMS[name](X)), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_every_default_handler_has_its_parameters_listed():
+    legacy = {"pjit", "checkpoint", "custom_vjp_call_jaxpr", "core_call", "call"}
+    assert set(DEFAULT_HANDLERS) - legacy <= set(_compat.KNOWN_PARAMS)
+
+
+def test_scan_layout_and_a_rebuilt_scan_with_nothing_added_are_the_original():
+    jaxpr, eqn, _ = _equation(PROGRAMS["scan"], "scan")
+    num_consts, num_carry = _compat.scan_layout(eqn.params)
+    assert num_carry == 1 and num_consts + num_carry + 1 == len(eqn.invars)
+    rebuilt = _compat.scan_params(
+        eqn.params, jaxpr=eqn.params["jaxpr"], num_consts=num_consts, num_carry=num_carry
+    )
+    assert rebuilt == dict(eqn.params)
+
+
+def test_a_parameter_kups_has_never_seen_is_a_clear_error():
+    jaxpr, eqn, _ = _equation(PROGRAMS["scan"], "scan")
+    future = eqn.replace(params={**eqn.params, "fancy_new_option": 3})
+    closed = jaxpr.replace(jaxpr=jaxpr.jaxpr.replace(eqns=[future]))
+    # A handler inside the body: the scan is interpreted, not re-bound whole.
+    count = default_dispatcher().register_handler("mul", default_primitive_handler)
+    with pytest.raises(NotImplementedError) as info:
+        Interpreter(count)(closed, 0, X)
+    message = str(info.value)
+    assert "'fancy_new_option'" in message and "'scan'" in message
+    assert f"JAX {jax.__version__}" in message and _compat.SUPPORTED_JAX in message
