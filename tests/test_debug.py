@@ -965,3 +965,12 @@ def test_reaching_matches_first_when_nothing_is_discarded():
 
     for xs in (jnp.ones(5).at[3].set(-1.0), jnp.ones(5).at[0].set(0.0), jnp.ones(5)):
         assert summary(report_of(f, xs)) == summary(report_of(f, xs, report="first"))
+
+
+def test_nan_in_one_shard_of_a_sharded_array(mesh8):
+    # The finiteness check of a sharded value is combined across devices.
+    def f(x):
+        return jnp.log(x) * 2.0  # log-of-sharded
+
+    x = jax.device_put(jnp.ones(16).at[13].set(-1.0), jax.NamedSharding(mesh8, P("i")))
+    expect(report_of(f, x), "log", "log-of-sharded")

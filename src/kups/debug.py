@@ -751,8 +751,14 @@ def _finite(value: Any) -> Any:
     return _all_reduce(jax.lax.reduce_and, jax.lax.is_finite(value))
 
 
-def _has_nan(value: Any) -> Any:
-    return _all_reduce(jax.lax.reduce_or, jax.lax.ne(value, value))
+def _finite_and_nan(value: Any) -> tuple[Any, Any]:
+    """Whether every element of `value` is finite, and whether one is a NaN.
+
+    Boolean reductions: a `reduce_max` of the magnitudes would need one fewer,
+    but the maximum of a sharded array is combined across devices by an
+    all-reduce that does not propagate NaNs on CPU (JAX 0.10.2).
+    """
+    return _finite(value), _all_reduce(jax.lax.reduce_or, jax.lax.ne(value, value))
 
 
 def _earliest(origins: list[_Origin]) -> _Origin:
@@ -785,6 +791,8 @@ class _TaintInterpreter(Interpreter):
         super().__init__(dispatcher, label="find_nans")
         self.sites = sites
         self.frames: list[dict[Any, Any]] = []
+        # Per frame: the equations run in it since `tick` was last advanced.
+        self.pending: list[int] = []
 
     def origins_of(self, atoms: Any) -> list[Any]:
         frame = self.frames[-1]
@@ -808,10 +816,13 @@ class _TaintInterpreter(Interpreter):
         frame: dict[Any, Any] = dict.fromkeys(jaxpr.constvars)
         frame.update(zip(jaxpr.invars, origins, strict=True))
         self.frames.append(frame)
+        self.pending.append(0)
         try:
             outs, ctx = super().__call__(closed_jaxpr, ctx._replace(io=None), *args)
+            ctx = _flush(self, ctx)
         finally:
             self.frames.pop()
+            self.pending.pop()
         out_origins = [None if _is_literal(v) else frame[v] for v in jaxpr.outvars]
         return outs, ctx._replace(io=_leave(io, ctx, jaxpr, out_origins, outs))
 
@@ -908,9 +919,9 @@ def _code_vectors(site: int, pos: Any) -> tuple[Any, Any]:
     return inf, nan
 
 
-def _new_info(site: int, pos: Any, value: Any) -> Any:
+def _new_info(site: int, pos: Any, has_nan: Any) -> Any:
     inf, nan = _code_vectors(site, pos)
-    code = jax.lax.select_n(_has_nan(value), inf, nan)
+    code = jax.lax.select_n(has_nan, inf, nan)
     if isinstance(pos, (jax.Array, Tracer)):
         code = jax.lax.add(pos, code)
     return code
@@ -948,7 +959,9 @@ def _taint_equation(
     if all(o is None for o in origins):
         interpreter.set_origins(eqn.outvars, [None] * len(eqn.outvars))
         return HandlerResult(state, outvals)
-    state, out_origins = _propagate(sites, state, eqn, invals, origins, outvals)
+    pending = interpreter.pending[-1]
+    created, out_origins = _propagate(sites, state, eqn, invals, origins, outvals, pending)
+    interpreter.pending[-1] = pending + created
     interpreter.set_origins(eqn.outvars, out_origins)
     return HandlerResult(state, outvals)
 
@@ -960,8 +973,12 @@ def _propagate(
     invals: list[Any],
     origins: list[Any],
     outvals: list[Any],
-) -> tuple[_Taint, list[Any]]:
+    pending: int,
+) -> tuple[bool, list[Any]]:
+    """Whether `eqn` can make a NaN/Inf, and the origins of its outputs; its
+    events are stamped `tick + pending`."""
     name = eqn.primitive.name
+    now = None
     floats_in = [i for i, value in enumerate(invals) if _is_float(value)]
     out_origins: list[Any] = []
     site: int | None = None
@@ -1002,24 +1019,49 @@ def _propagate(
             if key not in across:
                 across[key] = _across_shards(state, inherited, name, eqn.params)
             inherited = across[key]
-        fine = _finite(outval)
-        info = _new_info(site, state.pos, outval)
+        fine, has_nan = _finite_and_nan(outval)
+        info = _new_info(site, state.pos, has_nan)
+        if now is None:
+            now = _plus(state.tick, pending)
         if inherited is None:
-            w = jax.lax.select_n(fine, jnp.asarray(state.tick, jnp.int32), _FINE)
+            w = jax.lax.select_n(fine, jnp.asarray(now, jnp.int32), _FINE)
         else:
-            tick = jnp.asarray(state.tick, jnp.int32)
-            w = jax.lax.select_n(fine, jax.lax.min(inherited.w, tick), _FINE)
-            info = jax.lax.select_n(jax.lax.lt(inherited.w, tick), info, inherited.info)
+            w = jax.lax.select_n(fine, jax.lax.min(inherited.w, now), _FINE)
+            info = jax.lax.select_n(jax.lax.lt(inherited.w, now), info, inherited.info)
         out_origins.append(_Origin(w, info, False))
-    if site is not None:
-        # Saturates rather than wrapping around into the reserved values.
-        tick = state.tick
-        if isinstance(tick, (jax.Array, Tracer)):
-            tick = jax.lax.min(tick, np.int32(_UNKNOWN - 2)) + np.int32(1)
-        else:
-            tick = np.int32(min(int(tick), int(_UNKNOWN) - 2) + 1)
-        state = state._replace(tick=tick)
-    return state, out_origins
+    return site is not None, out_origins
+
+
+# `tick` stops growing here (ordering events made after 2**30 others, per shard,
+# by their site instead), so that `tick` plus the equations of one jaxpr stays
+# below the reserved values.
+_TICK_LIMIT = 2**30
+
+
+def _plus(tick: Any, count: int) -> Any:
+    if count == 0:
+        return tick
+    if isinstance(tick, (jax.Array, Tracer)):
+        return jax.lax.add(tick, np.int32(count))
+    return np.int32(int(tick) + count)
+
+
+def _flush(interpreter: Any, state: _Taint) -> _Taint:
+    """`state` with `tick` advanced past the events of the jaxpr being run so far.
+
+    Within one run of a jaxpr, the equations that can make a NaN/Inf stamp their
+    events `tick + j` (the j-th of them): one addition, no update of `tick`.
+    """
+    count = interpreter.pending[-1]
+    if count == 0:
+        return state
+    interpreter.pending[-1] = 0
+    tick = state.tick
+    if isinstance(tick, (jax.Array, Tracer)):
+        tick = jax.lax.min(tick, np.int32(_TICK_LIMIT))
+    else:
+        tick = np.int32(min(int(tick), _TICK_LIMIT))
+    return state._replace(tick=_plus(tick, count))
 
 
 def _collective_axes(params: Any) -> tuple[Any, ...]:
@@ -1053,6 +1095,7 @@ def _taint_call(
 ) -> HandlerResult:
     """A call (`jit`, `checkpoint`, custom derivatives, ...): the body takes the
     equation's inputs one to one."""
+    state = _flush(interpreter, state)
     origins = interpreter.origins_of(eqn.invars)
     result = handler(interpreter, state._replace(io=_IO("call", (), tuple(origins))), eqn, invals)
     return _left(interpreter, state, eqn, result)
@@ -1115,6 +1158,7 @@ def _taint_loop(
     next slot of `pos` (-1 outside, so one step starts it at 0)."""
     if state.scope.passive:
         return loop_handler(interpreter, state, eqn, invals)
+    state = _flush(interpreter, state)
     origins = interpreter.origins_of(eqn.invars)
     in_avals = [v.aval for v in eqn.invars]
     length = state.pos.shape[0]
@@ -1175,6 +1219,7 @@ def _taint_loop(
 def _taint_cond(interpreter: Any, state: _Taint, eqn: JaxprEqn, invals: list[Any]) -> HandlerResult:
     if state.scope.passive:
         return default_cond_handler(interpreter, state, eqn, invals)
+    state = _flush(interpreter, state)
     origins = interpreter.origins_of(eqn.invars[1:])
     inner = state._replace(io=_IO("cond", (), tuple(origins)))
     return _left(interpreter, state, eqn, default_cond_handler(interpreter, inner, eqn, invals))
@@ -1216,6 +1261,7 @@ def _taint_shard_map(
 ) -> HandlerResult:
     if state.scope.passive:
         return default_shard_map_handler(interpreter, state, eqn, invals)
+    state = _flush(interpreter, state)
     mesh, manual_set = shard_map_axes(eqn)
     sizes = dict(mesh.shape)
     mesh_axes = tuple((name, sizes[name]) for name in mesh.axis_names)
