@@ -10,8 +10,13 @@ from jax.extend.core.primitives import closed_call_p
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from kups.effects import Interpreter, default_dispatcher, default_primitive_handler, reinterpret
-from kups.effects import _compat
+from kups.effects import (
+    Interpreter,
+    _compat,
+    default_dispatcher,
+    default_primitive_handler,
+    reinterpret,
+)
 from kups.effects._defaults import DEFAULT_HANDLERS
 
 X = jnp.arange(8.0)
@@ -71,7 +76,7 @@ def test_the_running_jax_gives_only_parameters_kups_knows(name):
     known = _compat.KNOWN_PARAMS[eqn.primitive.name]
     assert set(eqn.params) <= known, (jax.__version__, set(eqn.params) - known)
     assert eqn.primitive.name in DEFAULT_HANDLERS
-    out, ctx = reinterpret(PROGRAMS[name], Interpreter(default_dispatcher()))(0, X)
+    out, _ctx = reinterpret(PROGRAMS[name], Interpreter(default_dispatcher()))(0, X)
     for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(PROGRAMS[name](X)), strict=True):
         np.testing.assert_array_equal(got, want)
 
@@ -82,7 +87,7 @@ def test_every_default_handler_has_its_parameters_listed():
 
 
 def test_scan_layout_and_a_rebuilt_scan_with_nothing_added_are_the_original():
-    jaxpr, eqn, _ = _equation(PROGRAMS["scan"], "scan")
+    _jaxpr, eqn, _ = _equation(PROGRAMS["scan"], "scan")
     num_consts, num_carry = _compat.scan_layout(eqn.params)
     assert num_carry == 1 and num_consts + num_carry + 1 == len(eqn.invars)
     rebuilt = _compat.scan_params(
