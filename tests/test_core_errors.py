@@ -328,3 +328,11 @@ def test_uninitialized_needs_an_aval():
         Uninitialized(3)
     assert Uninitialized(jax.ShapeDtypeStruct((2,), jnp.int8)).shape == (2,)
     assert Uninitialized(X).dtype == jnp.float32
+
+
+def test_unhandled_control_flow_names_what_would_be_lost():
+    dispatcher = Dispatcher().register_handler("sin", count_sin)
+    with pytest.raises(NotImplementedError, match=r"go to your handlers \('sin'\) would be lost"):
+        reinterpret(lambda x: jax.jit(jnp.sin)(x), Interpreter(dispatcher))(0, X)
+    with pytest.raises(NotImplementedError, match="nothing inside it goes to a handler"):
+        reinterpret(user_jit, Interpreter(dispatcher))(0, X)

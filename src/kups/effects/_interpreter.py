@@ -15,7 +15,7 @@ from ._dispatcher import Dispatcher
 from ._matching import contains_subjaxprs, is_control_flow
 from ._traceback import api_boundary
 from ._types import InterpreterPolicy
-from ._untouched import Handled, handled_names, skipped_equations
+from ._untouched import Handled, handled_names, skipped_equations, touched_inside
 
 # Per jaxpr, its walking plan: for each equation, whether it is control flow and
 # the variables whose last use it is (freed after it runs).
@@ -218,8 +218,8 @@ class Interpreter:
         if is_control_flow(eqn):
             message = (
                 f"{self.label or 'kups'}: no handler for the control-flow {where(eqn)}. "
-                f"Its sub-program would run without the interpreter, and any effect inside "
-                f"it would be lost. Register a handler with "
+                f"Its sub-program would run without the interpreter, and "
+                f"{_what_would_be_lost(eqn, self._handled)} Register a handler with "
                 f"dispatcher.register_handler({name!r}, handler) (a handler that interprets "
                 f"the body, like kups.effects.handlers.default_closed_call_handler), or "
                 f"build the Interpreter with policy=InterpreterPolicy.IGNORE to run it "
@@ -236,6 +236,19 @@ class Interpreter:
             raise NotImplementedError(message)
         warnings.warn(message, stacklevel=2)
         return _compat.bind_equation(eqn.primitive, eqn.params, invals)
+
+
+def _what_would_be_lost(eqn: JaxprEqn, handled: Handled | None) -> str:
+    if handled is None:
+        return "any equation inside it that a handler would take (a fallback handler is registered) would be lost."
+    inside = sorted(touched_inside(eqn, handled.touching))
+    if not inside:
+        return (
+            "nothing inside it goes to a handler now (so policy=InterpreterPolicy.IGNORE "
+            "would lose nothing today)."
+        )
+    shown = ", ".join(repr(name) for name in inside[:5])
+    return f"the equations inside it that go to your handlers ({shown}) would be lost."
 
 
 def _not_a_jaxpr(interpreter: Interpreter, value: Any) -> str:

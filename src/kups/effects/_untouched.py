@@ -116,3 +116,17 @@ def skipped_equations(jaxpr: Jaxpr, handled: Handled | None) -> list[bool] | Non
             is_control_flow(eqn) and _eqn_untouched(eqn, handled) for eqn in jaxpr.eqns
         ]
     return skips
+
+
+def touched_inside(eqn: Any, touching: frozenset[str]) -> set[str]:
+    """The names of the primitives in `touching` found in `eqn`'s sub-programs,
+    recursively (for error messages)."""
+    found: set[str] = set()
+    for sub in subjaxprs(eqn.params):
+        jaxpr, _ = _compat.open_jaxpr(sub)
+        for inner in jaxpr.eqns:
+            if inner.primitive.name in touching:
+                found.add(inner.primitive.name)
+            if is_control_flow(inner):
+                found |= touched_inside(inner, touching)
+    return found
