@@ -974,3 +974,15 @@ def test_nan_in_one_shard_of_a_sharded_array(mesh8):
 
     x = jax.device_put(jnp.ones(16).at[13].set(-1.0), jax.NamedSharding(mesh8, P("i")))
     expect(report_of(f, x), "log", "log-of-sharded")
+
+
+def test_values_made_from_nothing_are_checked():
+    def empty_max(x):
+        return lax.reduce_max(x[:0], axes=(0,)) + x.sum()  # max-of-nothing
+
+    expect(report_of(empty_max, jnp.ones(3)), "reduce_max", "max-of-nothing", kind="inf")
+
+    def fill(x, i):
+        return x.at[i].get(mode="fill", fill_value=jnp.nan) * 2.0  # gather-fill
+
+    expect(report_of(fill, jnp.ones(3), jnp.int32(7)), "gather", "gather-fill")

@@ -690,13 +690,13 @@ _TRANSPARENT = frozenset(
     }
 )
 # Equations that cannot make a NaN/Inf out of finite inputs, but can drop one:
-# their output is checked and inherits its inputs' origin.
+# their output is checked and inherits its inputs' origin. (Not `gather`: out of
+# bounds, `mode="fill"` fills with NaN.)
 _FILTERS = frozenset(
     {
         "select_n",
         "slice",
         "dynamic_slice",
-        "gather",
         "dynamic_update_slice",
         "scatter",
         "pad",
@@ -929,6 +929,8 @@ def _new_info(site: int, pos: Any, has_nan: Any) -> Any:
 
 def _class_of(eqn: JaxprEqn, outval: Any) -> str:
     name = eqn.primitive.name
+    if any(_is_float_aval(v.aval) and 0 in _shape(v) for v in eqn.invars):
+        return "create"  # a reduction of nothing: `max` of no elements is -inf
     complex_out = jnp.issubdtype(outval.dtype, jnp.complexfloating)
     if name in _TRANSPARENT and not complex_out:
         return "transparent"
