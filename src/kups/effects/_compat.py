@@ -358,6 +358,52 @@ def bind_shard_map(primitive: Any, params: dict[str, Any], invals: Sequence[Any]
     return list(trace.emit_eqn(tracers, out_avals, primitive, params, effects, source_info))
 
 
+def equation_mesh(eqn: JaxprEqn) -> Any:
+    """The abstract mesh an equation was traced under (`jax.set_mesh`, and the
+    Auto or Explicit variant of it inside `auto_axes` / `explicit_axes`)."""
+    return eqn.ctx.cur_abstract_mesh
+
+
+def current_mesh() -> Any:
+    return jax.sharding.get_abstract_mesh()
+
+
+def retype_for_mesh(value: Any, mesh: Any) -> Any:
+    """`value`, typed for `mesh` when its sharding is typed for another variant of
+    it: the same axes with Auto and Explicit types swapped, as inside
+    `jax.sharding.auto_axes` and `explicit_axes` (JAX rejects an operation whose
+    operands are typed for a mesh other than the one in effect). Other values are
+    returned as they are."""
+    if mesh.empty or not isinstance(value, (jax.Array, Tracer)):
+        return value
+    sharding = getattr(jax.typeof(value), "sharding", None)
+    value_mesh = getattr(sharding, "mesh", None)
+    if (
+        value_mesh is None
+        or value_mesh.empty
+        or value_mesh == mesh
+        or value_mesh.axis_names != mesh.axis_names
+        or value_mesh.axis_sizes != mesh.axis_sizes
+    ):
+        return value
+    manual = jax.sharding.AxisType.Manual
+    if manual in value_mesh.axis_types or manual in mesh.axis_types:
+        return value
+    explicit = {
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == jax.sharding.AxisType.Explicit
+    }
+
+    def keep(entry: Any) -> Any:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        return entry if entry is not None and set(names) <= explicit else None
+
+    spec = jax.sharding.PartitionSpec(*(keep(entry) for entry in sharding.spec))
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.reshard(value, spec)
+
+
 def shard_aval(
     mesh: Any, manual_axes: frozenset[Any], check_vma: bool, spec: Any, aval: Any
 ) -> Any:

@@ -7,6 +7,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from . import _compat
@@ -166,7 +167,12 @@ class Interpreter:
         bind = _compat.bind_equation
         # Control flow that no handler touches is re-bound whole (see _untouched).
         skips = skipped_equations(jaxpr, self._handled)
+        # The abstract mesh the context's arrays are typed for (see _retyped).
+        start_mesh = ctx_mesh = _compat.current_mesh()
         for index, (eqn, control_flow, free) in enumerate(_plan(jaxpr)):
+            eqn_mesh = _compat.equation_mesh(eqn)
+            if eqn_mesh is not ctx_mesh and eqn_mesh != ctx_mesh:
+                ctx, ctx_mesh = _retyped(ctx, eqn_mesh), eqn_mesh
             invals = [v.val if is_literal(v) else env[v] for v in eqn.invars]  # pyright: ignore[reportAttributeAccessIssue]
             handler = handlers.get(eqn.primitive.name)
             source_info = eqn.source_info
@@ -196,6 +202,8 @@ class Interpreter:
             for v in free:
                 env.pop(v, None)
         outs = [v.val if is_literal(v) else env[v] for v in jaxpr.outvars]  # pyright: ignore[reportAttributeAccessIssue]
+        if ctx_mesh is not start_mesh and ctx_mesh != start_mesh:
+            ctx = _retyped(ctx, start_mesh)
         return outs, ctx
 
     def _dispatch(
@@ -236,6 +244,15 @@ class Interpreter:
             raise NotImplementedError(message)
         warnings.warn(message, stacklevel=2)
         return _compat.bind_equation(eqn.primitive, eqn.params, invals)
+
+
+def _retyped(ctx: Any, mesh: Any) -> Any:
+    """The context with its arrays typed for `mesh`. Inside an `auto_axes` or
+    `explicit_axes` region, equations run under a variant of the mesh with other
+    axis types, and JAX rejects an operation (a handler's, on the context) whose
+    operands are typed for another one; the context's arrays follow the program
+    into the region and out of it, as `auto_axes` reshards the user's values."""
+    return jax.tree.map(lambda leaf: _compat.retype_for_mesh(leaf, mesh), ctx)
 
 
 def _what_would_be_lost(eqn: JaxprEqn, handled: Handled | None) -> str:
