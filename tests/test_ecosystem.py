@@ -79,10 +79,10 @@ def assert_trees_equal(actual: Any, expected: Any, what: str) -> None:
     expected_leaves, expected_tree = jax.tree.flatten(expected)
     assert actual_tree == expected_tree, f"{what}: {actual_tree} != {expected_tree}"
     for i, (a, e) in enumerate(zip(actual_leaves, expected_leaves, strict=True)):
-        a, e = np.asarray(a), np.asarray(e)
         assert a.dtype == e.dtype, f"{what} leaf {i}: dtype {a.dtype} != {e.dtype}"
         if jnp.issubdtype(e.dtype, jax.dtypes.prng_key):
-            a, e = np.asarray(jax.random.key_data(a)), np.asarray(jax.random.key_data(e))
+            a, e = jax.random.key_data(a), jax.random.key_data(e)
+        a, e = np.asarray(a), np.asarray(e)
         equal_nan = bool(jnp.issubdtype(e.dtype, jnp.inexact))
         assert np.array_equal(a, e, equal_nan=equal_nan), f"{what} leaf {i}: {a} != {e}"
 
@@ -473,3 +473,177 @@ def test_optimistix_find_nans(optx: ModuleType) -> None:
     _, report = find_nans(newton_root(optx, cubic))(y0, poisoned)
     assert report.found
     assert report.source is not None and report.source.startswith("test_ecosystem.py:")
+
+
+# ---------------------------------------------------------------------------
+# numpyro: NUTS steps on a tiny model.
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def numpyro() -> ModuleType:
+    return library("numpyro", "numpyro")
+
+
+OBSERVED = jnp.array([0.3, -0.1, 0.5])
+
+
+def nuts(numpyro: ModuleType, lower: float | None = None) -> tuple[Callable[..., Any], Any, Any]:
+    """Five NUTS steps in a `scan` on `mu ~ Normal(0, 1)`, `y ~ Normal(mu, 1)`:
+    the program (the samples of `mu` and each step's number of leapfrog steps),
+    its initial state (fixed keys) and the potential energy. With `lower`, the
+    model checks `mu > lower`."""
+    dist = importlib.import_module("numpyro.distributions")
+    infer_util = importlib.import_module("numpyro.infer.util")
+    hmc = importlib.import_module("numpyro.infer.hmc").hmc
+
+    def model(y: jax.Array) -> None:
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        if lower is not None:
+            check(mu > lower, "mu={} is not above {}", mu, lower)
+        numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    init_params, potential_fn, _, _ = infer_util.initialize_model(
+        jax.random.key(0), model, model_args=(OBSERVED,)
+    )
+    init_kernel, sample_kernel = hmc(potential_fn, algo="NUTS")
+    state = init_kernel(init_params, num_warmup=0, step_size=0.3, rng_key=jax.random.key(1))
+
+    def run(state: Any) -> tuple[jax.Array, jax.Array]:
+        def step(state: Any, _: None) -> tuple[Any, tuple[jax.Array, jax.Array]]:
+            state = sample_kernel(state)
+            return state, (state.z["mu"], state.num_steps)
+
+        _, samples = jax.lax.scan(step, state, None, length=5)
+        return samples
+
+    return run, state, potential_fn
+
+
+def test_numpyro_identity(numpyro: ModuleType) -> None:
+    run, state, _ = nuts(numpyro)
+    samples, _ = assert_identity(run, state)
+    assert len(set(np.asarray(samples).tolist())) > 1  # the chain moved
+
+
+def test_numpyro_gradient_of_potential(numpyro: ModuleType) -> None:
+    # NUTS itself (while loops of dynamic length) is not reverse-differentiable;
+    # its potential energy, numpyro's trace of the model, is.
+    _, state, potential_fn = nuts(numpyro)
+    assert_grad_identity(potential_fn, state.z, argnums=0)
+
+
+def test_numpyro_count(numpyro: ModuleType) -> None:
+    run, state, potential_fn = nuts(numpyro)
+    counts = count_and_compare(run, state)
+    _, leapfrog_steps = run(state)
+    # Each leapfrog step evaluates the potential and its gradient once.
+    per_step = static_count(
+        jax.make_jaxpr(jax.value_and_grad(potential_fn))(state.z), "integer_pow"
+    )
+    assert per_step > 0
+    assert counts["integer_pow"] == per_step * int(jnp.sum(leapfrog_steps))
+    assert counts.opaque == {}
+
+
+def test_numpyro_check_in_model(numpyro: ModuleType) -> None:
+    run, state, _ = nuts(numpyro, lower=-1.0)
+    samples, _ = run(state)  # `check` does nothing outside `checked`
+    assert float(samples[0]) < -1.0  # the first step visits mu < -1 (fixed keys)
+    out, error = checked(run)(state)
+    assert_trees_equal(out[0], samples, "checked outputs")
+    assert error.message is not None and error.message.endswith("is not above -1.0")
+    assert float(error.message.split("=")[1].split()[0]) <= -1.0
+    # The scan step first, then NUTS's own loops: the first step went there.
+    assert error.iteration is not None and error.iteration[0] == 0
+    run, state, _ = nuts(numpyro, lower=-50.0)
+    _, error = checked(run)(state)
+    assert error.get() is None
+
+
+# ---------------------------------------------------------------------------
+# blackjax: HMC steps in a scan.
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def blackjax() -> ModuleType:
+    return library("blackjax", "blackjax")
+
+
+HMC_STEPS, LEAPFROG_STEPS = 6, 4
+
+
+def hmc_chain(blackjax: ModuleType, logdensity: Callable[..., Any]) -> Callable[..., Any]:
+    """`HMC_STEPS` HMC steps of `LEAPFROG_STEPS` leapfrog steps each in a `scan`:
+    the positions, acceptances and proposed positions."""
+    kernel = blackjax.hmc(
+        logdensity,
+        step_size=0.5,
+        inverse_mass_matrix=jnp.ones(3),
+        num_integration_steps=LEAPFROG_STEPS,
+    )
+
+    def run(key: jax.Array, state: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        def step(state: Any, key: jax.Array) -> tuple[Any, Any]:
+            state, info = kernel.step(key, state)
+            return state, (state.position, info.is_accepted, info.proposal.position)
+
+        _, trace = jax.lax.scan(step, state, jax.random.split(key, HMC_STEPS))
+        return trace
+
+    return run
+
+
+def student(x: jax.Array) -> jax.Array:
+    return -jnp.sum(jnp.log1p(x**2))
+
+
+def hmc_start(blackjax: ModuleType) -> tuple[jax.Array, Any]:
+    kernel = blackjax.hmc(
+        student, step_size=0.5, inverse_mass_matrix=jnp.ones(3), num_integration_steps=1
+    )
+    return jax.random.key(0), kernel.init(jnp.array([1.0, -0.5, 2.0]))
+
+
+def test_blackjax_identity(blackjax: ModuleType) -> None:
+    _, accepted, _ = assert_identity(hmc_chain(blackjax, student), *hmc_start(blackjax))
+    assert bool(jnp.any(accepted))
+
+
+def test_blackjax_gradient(blackjax: ModuleType) -> None:
+    run = hmc_chain(blackjax, student)
+    key, state = hmc_start(blackjax)
+
+    def loss(position: jax.Array) -> jax.Array:
+        positions, _, _ = run(key, state._replace(position=position))
+        return jnp.sum(positions[-1] ** 2)
+
+    assert_grad_identity(loss, state.position, argnums=0)
+
+
+def test_blackjax_count(blackjax: ModuleType) -> None:
+    run = hmc_chain(blackjax, student)
+    args = hmc_start(blackjax)
+    counts = count_and_compare(run, *args)
+    # Without kups: `log1p` in the traced program, scan bodies times their length.
+    assert counts["log1p"] == static_count(jax.make_jaxpr(run)(*args), "log1p")
+    # ... and by hand: one log density a leapfrog step (velocity Verlet reuses the
+    # gradient of the step before).
+    assert counts["log1p"] == HMC_STEPS * LEAPFROG_STEPS
+    assert counts.opaque == {}
+
+
+def test_blackjax_sow_in_log_density(blackjax: ModuleType) -> None:
+    def logdensity(x: jax.Array) -> jax.Array:
+        x = sow(x, tag="hmc", name="x", mode="append")
+        return student(x)
+
+    args = hmc_start(blackjax)
+    trace, reaped = reap(hmc_chain(blackjax, logdensity), tag="hmc")(*args)
+    expected = hmc_chain(blackjax, student)(*args)
+    assert_trees_equal(trace, expected, "reaped outputs")
+    # One position per leapfrog step of each HMC step; the last of each is the
+    # proposal blackjax reports.
+    assert reaped["x"].shape == (HMC_STEPS, LEAPFROG_STEPS, 3)
+    assert_trees_equal(reaped["x"][:, -1], expected[2], "last leapfrog positions")
