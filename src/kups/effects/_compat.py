@@ -399,7 +399,7 @@ def retype_for_mesh(value: Any, mesh: Any) -> Any:
         names = entry if isinstance(entry, tuple) else (entry,)
         return entry if entry is not None and set(names) <= explicit else None
 
-    spec = jax.sharding.PartitionSpec(*(keep(entry) for entry in sharding.spec))
+    spec = jax.sharding.PartitionSpec(*(keep(entry) for entry in sharding.spec))  # pyright: ignore[reportOptionalMemberAccess]
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.reshard(value, spec)
 
