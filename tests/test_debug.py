@@ -986,3 +986,18 @@ def test_values_made_from_nothing_are_checked():
         return x.at[i].get(mode="fill", fill_value=jnp.nan) * 2.0  # gather-fill
 
     expect(report_of(fill, jnp.ones(3), jnp.int32(7)), "gather", "gather-fill")
+
+
+def test_scaling_by_a_small_constant_keeps_the_origin():
+    # x * 0.5 cannot overflow, and NaN * 0 is NaN: the NaN made by the log is
+    # still the one reported, not the multiplication.
+    def f(x):
+        y = jnp.log(x)  # log-then-scaled
+        return y * 0.5, y * 0.0, y / 4.0
+
+    expect(report_of(f, jnp.float32(-1.0)), "log", "log-then-scaled")
+
+    def overflow(x):
+        return x * 3.0e38  # overflowing-mul
+
+    expect(report_of(overflow, jnp.float32(2.0)), "mul", "overflowing-mul", kind="inf")

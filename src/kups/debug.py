@@ -927,12 +927,31 @@ def _new_info(site: int, pos: Any, has_nan: Any) -> Any:
     return code
 
 
-def _class_of(eqn: JaxprEqn, outval: Any) -> str:
+def _scale(value: Any) -> float | None:
+    """The magnitude of a concrete real scalar, else `None`."""
+    if isinstance(value, Tracer) or np.ndim(value) != 0 or not _is_float(value):
+        return None
+    if jnp.issubdtype(jnp.result_type(value), jnp.complexfloating):
+        return None
+    magnitude = abs(float(value))
+    return magnitude if np.isfinite(magnitude) else None
+
+
+def _class_of(eqn: JaxprEqn, invals: list[Any], outval: Any) -> str:
     name = eqn.primitive.name
     if any(_is_float_aval(v.aval) and 0 in _shape(v) for v in eqn.invars):
         return "create"  # a reduction of nothing: `max` of no elements is -inf
     complex_out = jnp.issubdtype(outval.dtype, jnp.complexfloating)
     if name in _TRANSPARENT and not complex_out:
+        return "transparent"
+    # A multiplication by a constant of at most 1 in magnitude (a learning rate),
+    # or a division by one of at least 1 (a mean), cannot overflow; a NaN or Inf
+    # stays one (inf * 0 is NaN).
+    scales = [_scale(value) for value in invals]
+    real_pair = not complex_out and len(invals) == 2
+    if name == "mul" and real_pair and any(s is not None and s <= 1.0 for s in scales):
+        return "transparent"
+    if name == "div" and real_pair and scales[1] is not None and scales[1] >= 1.0:
         return "transparent"
     if name == "convert_element_type":
         source = getattr(eqn.invars[0].aval, "dtype", None)
@@ -1001,7 +1020,7 @@ def _propagate(
             or (origins[i] is None and not _concrete_finite(invals[i]))
             for i in inputs
         )
-        kind = "create" if collective else _class_of(eqn, outval)
+        kind = "create" if collective else _class_of(eqn, invals, outval)
         if kind != "create" and not unknown:
             if not traced:
                 out_origins.append(_FINITE)
