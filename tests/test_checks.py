@@ -1092,3 +1092,21 @@ def test_no_kinds_checks_nothing():
     out, error = jax.jit(checked(f, errors=frozenset()))(-jnp.ones(3), 7)
     assert jnp.isnan(out) and error.get() is None and error.slots == ()
     assert checked(f, errors={"user"})(-jnp.ones(3), 7)[1].message == "x[0] is -1.0"
+
+
+def test_policy_for_a_library_primitive_hiding_a_check():
+    from library_primitive import library_call
+
+    from kups.effects import InterpreterPolicy
+
+    def f(x):
+        (hidden,) = library_call(lambda v: (check(v > 0, "hidden"), v * 2)[1], x)
+        check(x > 0, "outside {}", x)
+        return hidden
+
+    with pytest.raises(NotImplementedError, match="library_call"):
+        checked(f)(jnp.float32(1.0))
+    out, error = checked(f, policy=InterpreterPolicy.IGNORE)(jnp.float32(-1.0))
+    assert out == -2.0 and error.message == "outside -1.0"
+    with pytest.raises(TypeError, match="InterpreterPolicy"):
+        checked(f, policy="ignore")

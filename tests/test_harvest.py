@@ -1797,3 +1797,18 @@ def test_docstring_example_runs(function):
     assert source is not None
     code = textwrap.dedent(source.group(1))  # Python 3.13 dedents docstrings itself
     exec(compile(code, f"<{function.__name__} docstring>", "exec"), {})
+
+
+def test_wrappers_show_the_users_signature_with_their_leading_argument():
+    import inspect
+
+    def model(x, y, scale=2.0):
+        return sow(x * scale, tag="t", name="a") + y
+
+    assert str(inspect.signature(reap(model, tag="t"))) == "(x, y, scale=2.0)"
+    assert str(inspect.signature(plant(model, tag="t"))) == "(values, /, x, y, scale=2.0)"
+    assert str(inspect.signature(harvest(model, tag="t"))) == "(values, /, x, y, scale=2.0)"
+    assert not hasattr(plant(model, tag="t"), "__wrapped__")
+    # jit's static/donate argnums count the leading argument, as the signature says.
+    planted = jax.jit(plant(model, tag="t"), static_argnums=3)
+    assert planted({"a": jnp.float32(5.0)}, jnp.float32(1.0), jnp.float32(1.0), 3.0) == 6.0

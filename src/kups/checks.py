@@ -47,6 +47,7 @@ from kups.effects import (
     Handler,
     HandlerResult,
     Interpreter,
+    InterpreterPolicy,
     contains_subjaxprs,
     default_cond_handler,
     default_dispatcher,
@@ -59,6 +60,7 @@ from kups.effects import (
     shard_map_axes,
     source_location,
     varying_axes,
+    wraps_with_leading,
 )
 
 __all__ = [
@@ -1200,7 +1202,10 @@ def _kinds(errors: Any) -> frozenset[str]:
 
 
 def checked(
-    fn: Callable[Params, Out], *, errors: frozenset[str] = user_checks
+    fn: Callable[Params, Out],
+    *,
+    errors: frozenset[str] = user_checks,
+    policy: InterpreterPolicy = InterpreterPolicy.RAISE,
 ) -> Callable[Params, tuple[Out, Error]]:
     """Runs `fn` with its checks recorded, and returns the first failure.
 
@@ -1240,6 +1245,10 @@ def checked(
       `equinox.filter_jit`.
     - `errors`: a frozenset of check kinds, such as `user_checks`,
       `index_checks | div_checks` or `all_checks`.
+    - `policy`: what to do with a control-flow primitive kups has no handler for
+      (a library's own, holding a jaxpr) when a check inside it would be lost:
+      `InterpreterPolicy.RAISE` (the default) raises, `WARN` warns and runs it
+      unchecked, `IGNORE` runs it unchecked.
 
     **Returns:**
 
@@ -1275,10 +1284,16 @@ def checked(
     if not callable(fn):
         raise TypeError(f"checked(fn) needs a callable, got {type(fn).__name__}: {fn!r}.")
     kinds = _kinds(errors)
+    if not isinstance(policy, InterpreterPolicy):
+        raise TypeError(
+            f"checked(fn, policy=...) takes an InterpreterPolicy, one of "
+            f"InterpreterPolicy.RAISE, InterpreterPolicy.WARN or InterpreterPolicy.IGNORE "
+            f"(from kups.effects import InterpreterPolicy); got {policy!r}."
+        )
 
-    @functools.wraps(fn)
+    @wraps_with_leading(fn)
     def wrapped(*args: Params.args, **kwargs: Params.kwargs) -> tuple[Out, Error]:
-        interpreter = Interpreter(_dispatcher(kinds), label="kups.checks")
+        interpreter = Interpreter(_dispatcher(kinds), policy=policy, label="kups.checks")
         ctx = _Ctx(failed=jnp.zeros((), jnp.bool_), slots=(), loops=(), shard_axes=(), kinds=kinds)
         out, ctx = reinterpret(fn, interpreter)(ctx, *args, **kwargs)
         return out, Error(failed=ctx.failed, slots=ctx.slots)

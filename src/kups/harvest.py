@@ -77,6 +77,7 @@ from kups.effects import (
     shard_map_axes,
     source_line,
     varying_axes,
+    wraps_with_leading,
 )
 
 __all__ = ["MODES", "harvest", "nest", "plant", "reap", "sow"]
@@ -869,7 +870,7 @@ def reap(
         raise TypeError(f"reap(fn, tag=...) needs a callable fn, got {type(fn).__name__}.")
     _check_policy("reap", policy)
 
-    @functools.wraps(fn)
+    @wraps_with_leading(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         reaper = _Reaper(selection)
         interpreter = reaper.interpreter("reap", policy)
@@ -1249,7 +1250,7 @@ def plant(
         raise TypeError(f"plant(fn, tag=...) needs a callable fn, got {type(fn).__name__}.")
     _check_policy("plant", policy)
 
-    @functools.wraps(fn)
+    @wraps_with_leading(fn, "values")
     def wrapped(values: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
         _check_values("plant", tag, values)
         return _planted_call(fn, selection, "plant", False, policy, values, *args, **kwargs)
@@ -1319,7 +1320,7 @@ def harvest(
     _check_policy("harvest", policy)
     planted = functools.partial(_planted_call, fn, selection, "harvest", True, policy)
 
-    @functools.wraps(fn)
+    @wraps_with_leading(fn, "values")
     def wrapped(values: Mapping[str, Any], *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         _check_values("harvest", tag, values)
         reaper = _Reaper(selection)
@@ -1394,7 +1395,7 @@ def nest(
             ctx, list(_sow_p.bind(*invals, **{**params, "scope": (scope, *params["scope"])}))
         )
 
-    @functools.wraps(fn)
+    @wraps_with_leading(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         dispatcher = default_dispatcher().register_handler(_sow_p, rescope)
         interpreter = Interpreter(

@@ -48,6 +48,7 @@ from kups.effects import (
     reinterpret,
     shard_map_axes,
     source_line,
+    wraps_with_leading,
 )
 
 __all__ = ["PrimitiveCounts", "count_primitives"]
@@ -491,7 +492,7 @@ def count_primitives(
         )
     _check_policy(policy)
 
-    @functools.wraps(fn)
+    @wraps_with_leading(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, PrimitiveCounts]:
         interpreter = _CountingInterpreter(_dispatcher(), policy=policy, label="count_primitives")
         out, tally = reinterpret(fn, interpreter)(_Tally({}, {}), *args, **kwargs)
