@@ -8,6 +8,15 @@ and off) with `psum`, `pmax`, `all_gather`, `ppermute` and `axis_index`,
 nested up to three deep. With `effects=True` it also sprinkles `sow`s (every
 mode, where the contract allows them) and `check`s.
 
+About a third of the programs are *explicit*: their arguments are placed on the
+same 4x2 mesh with Explicit axes (sharding in types, replicated), each
+`shard_map` runs on that mesh with its operands `reshard`ed to its `in_specs`
+first (JAX checks them against the operands' shardings) and its result
+resharded back to replicated, and they may also hold `reshard` round trips
+through a sharded layout and `auto_axes` regions (whose bodies close over
+nothing and hold no shard_map). The threaded twin runs the same program on the
+Auto mesh, where shardings change nothing it counts or threads.
+
 Every program exists twice, as Python source:
 
 - `Program.source`, the program as a user writes it (`program(a, b)`), which is
@@ -32,6 +41,7 @@ family may have several primitive names (`psum` binds `psum_invariant` under
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -55,7 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 TAG = "fuzz"
@@ -243,6 +253,14 @@ class ShardMap:
     replicated: bool  # in_specs/out_specs P() rather than sharded
     jit: bool
     body: Block
+    explicit: bool = False  # on the Explicit mesh, operands resharded to in_specs
+
+
+@dataclass
+class Reshard:  # explicit programs: sin of `src` in a sharded layout, then back
+    out: str
+    src: str
+    axes: tuple[str, ...]
 
 
 @dataclass
@@ -276,6 +294,7 @@ class Scope:
     # Whether this code runs eagerly when the program is called: the top level, and
     # the bodies JAX runs as they are (custom_jvp/custom_vjp, an unjitted shard_map).
     eager: bool = True
+    in_auto: bool = False  # inside an auto_axes region: no shard_map, no reshard
 
     def free_sow_modes(self) -> tuple[str, ...]:
         if self.under_cond or "while" in self.loops:
@@ -312,10 +331,17 @@ POLICIES = (
 
 class Generator:
     def __init__(
-        self, seed: int, *, effects: bool = False, max_depth: int = 3, budget: int = 3
+        self,
+        seed: int,
+        *,
+        effects: bool = False,
+        explicit: bool = False,
+        max_depth: int = 3,
+        budget: int = 3,
     ) -> None:
         self.rng = random.Random(seed)
         self.effects = effects
+        self.explicit = explicit
         self.max_depth = max_depth
         self.budget = budget  # control-flow nodes left
         self.counter = 0
@@ -382,6 +408,10 @@ class Generator:
         rng = self.rng
         if scope.depth < self.max_depth and self.budget > 0 and rng.random() < 0.45:
             return self.control_flow(scope)
+        if self.explicit and self.layout_free(scope) and rng.random() < 0.15:
+            self.features.add("reshard")
+            axes = rng.choice((("x", "y"), ("x",), ("y",)))
+            return [Reshard(self.fresh("v"), rng.choice(scope.visible), axes)]
         if self.effects:
             modes = scope.free_sow_modes()
             roll = rng.random()
@@ -392,6 +422,11 @@ class Generator:
             if roll < 0.35:
                 return [self.check(scope)]
         return [self.op(scope)]
+
+    def layout_free(self, scope: Scope) -> bool:
+        """Whether values here have a sharding type of their own (explicit programs,
+        outside shard_map bodies and auto_axes regions)."""
+        return scope.shard is None and not scope.in_auto
 
     def check(self, scope: Scope) -> Check:
         self.features.add("check")
@@ -443,8 +478,16 @@ class Generator:
     def control_flow(self, scope: Scope) -> list[Any]:
         rng = self.rng
         self.budget -= 1
-        kinds = [k for k in CONTROL_FLOW if k != "shard_map" or scope.shard is None]
+        kinds = [
+            k
+            for k in CONTROL_FLOW
+            if k != "shard_map" or (scope.shard is None and not scope.in_auto)
+        ]
+        if self.explicit and self.layout_free(scope):
+            kinds.append("auto_axes")
         kind = rng.choice(kinds)
+        if self.explicit and "shard_map" in kinds and rng.random() < 0.3:
+            kind = "shard_map"  # what explicit programs are most about
         self.features.add(kind)
         out = self.fresh("v")
         pick = lambda: rng.choice(scope.visible)  # noqa: E731
@@ -517,6 +560,13 @@ class Generator:
             body = self.block(params, self.subscope(scope, visible=closure))
             policy = rng.choice(POLICIES) if kind == "checkpoint" else None
             return [Wrap(out, kind, operands, body, policy)]
+        if kind == "auto_axes":
+            # No closure: values from outside are typed on the Explicit mesh, and
+            # the region's ops run with the axes Auto.
+            operands = tuple(pick() for _ in range(rng.randint(1, 2)))
+            params = [self.fresh("a") for _ in operands]
+            inner = self.subscope(scope, visible=[], eager=scope.eager, in_auto=True)
+            return [Wrap(out, kind, operands, self.block(params, inner))]
         if kind in ("custom_jvp", "custom_vjp"):
             # No closure: custom derivative rules must not close over tracers.
             operands = tuple(pick() for _ in range(rng.randint(1, 2)))
@@ -558,7 +608,7 @@ class Generator:
             )
             body.stmts[-1].families = ("psum", "mul")
             body.result = final
-        return [ShardMap(out, operands, shard, is_replicated, jit, body)]
+        return [ShardMap(out, operands, shard, is_replicated, jit, body, self.explicit)]
 
 
 # ---------------------------------------------------------------------------
@@ -658,6 +708,15 @@ class Emitter:
             expr = f"jnp.where({total} > 0.0, jnp.int32({low + extra}), jnp.int32({low}))"
         self.line(f"{pred.out} = {expr}")
         self.count(pred.families)
+
+    def emit_reshard(self, op: Reshard, shard: Shard | None) -> None:
+        if self.threaded:  # a layout changes no value
+            self.line(f"{op.out} = jnp.sin({op.src})")
+        else:
+            spec = repr(op.axes) if len(op.axes) > 1 else repr(op.axes[0])
+            self.line(f"{op.out} = jax.sharding.reshard({op.src}, ON({spec}))")
+            self.line(f"{op.out} = jax.sharding.reshard(jnp.sin({op.out}), ON())")
+        self.count(("sin",))
 
     def emit_sow(self, sow: Sow, shard: Shard | None) -> None:
         if self.threaded:
@@ -823,6 +882,9 @@ class Emitter:
             return
         if wrap.kind == "jit":
             self.line(f"{wrap.out} = jax.jit({body.name})({operands})")
+        elif wrap.kind == "auto_axes":
+            region = f"jax.sharding.auto_axes({body.name}, out_sharding=ON())"
+            self.line(f"{wrap.out} = {region}({operands})")
         elif wrap.kind == "checkpoint":
             self.line(f"{wrap.out} = jax.checkpoint({body.name}, policy={wrap.policy})({operands})")
         elif wrap.kind == "custom_jvp":
@@ -860,13 +922,21 @@ class Emitter:
             )
             return
         extra = f", axis_names={set(sm.shard.axes)!r}" if len(sm.shard.axes) < 2 else ""
+        mesh = "MESH_E" if sm.explicit else "MESH"
         call = (
-            f"jax.shard_map({body.name}, mesh=MESH, in_specs={in_specs}, out_specs={spec}"
+            f"jax.shard_map({body.name}, mesh={mesh}, in_specs={in_specs}, out_specs={spec}"
             f"{extra}, check_vma={sm.shard.check_vma})"
         )
         if sm.jit:
             call = f"jax.jit({call})"
-        self.line(f"{sm.out} = {call}({operands})")
+        if not sm.explicit:
+            self.line(f"{sm.out} = {call}({operands})")
+            return
+        # On an Explicit mesh, shard_map checks in_specs against the operands'
+        # shardings: reshard them first, and the result back to replicated.
+        layout = spec.replace("P(", "ON(", 1)
+        operands = ", ".join(f"jax.sharding.reshard({op}, {layout})" for op in sm.operands)
+        self.line(f"{sm.out} = jax.sharding.reshard({call}({operands}), ON())")
 
 
 def _shapes(names: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, tuple[int, ...]]:
@@ -1004,6 +1074,21 @@ def mesh() -> Any:
     return _MESH[0]
 
 
+_MESH_E: list[Any] = []
+
+
+def explicit_mesh() -> Any:
+    """The same devices as `mesh()`, with Explicit axes."""
+    if not _MESH_E:
+        _MESH_E.append(jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2))
+    return _MESH_E[0]
+
+
+def on(*spec: Any) -> NamedSharding:
+    """`NamedSharding(explicit_mesh(), P(*spec))`: `ON` in a program's source."""
+    return NamedSharding(explicit_mesh(), P(*spec))
+
+
 HEADER = """\
 import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -1011,14 +1096,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from kups.checks import check, checked
 from kups.effects import Interpreter, default_dispatcher, reinterpret
 from kups.harvest import plant, reap, sow
 from kups.instrument import count_primitives
 
 MESH = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+MESH_E = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
 TAG = "fuzz"
+
+
+def ON(*spec):
+    return NamedSharding(MESH_E, P(*spec))
 """
 
 
@@ -1036,6 +1126,8 @@ class Program:
     threaded: Callable[..., Any] = field(repr=False)
     body: Block = field(repr=False)
     other: str = ""
+    explicit: bool = False
+    threaded_args: tuple[jax.Array, ...] = ()  # the args, unplaced: the twin's mesh is Auto
 
     @property
     def filename(self) -> str:
@@ -1045,6 +1137,18 @@ class Program:
     def differentiable(self) -> bool:
         """Reverse-mode differentiable in plain JAX: no while loop."""
         return "while_form" not in self.features
+
+    def context(self) -> contextlib.AbstractContextManager[Any]:
+        """Where to call the program: an explicit program under `jax.set_mesh` of its
+        Explicit mesh (plain JAX cannot even differentiate some of them without it:
+        "Please enter your `jit` into a mesh context")."""
+        return jax.set_mesh(explicit_mesh()) if self.explicit else contextlib.nullcontext()
+
+    def run_threaded(self) -> Any:
+        """The threaded twin's `((out, other), state)`, jitted, on the Auto mesh (also
+        inside an explicit program's context)."""
+        with jax.set_mesh(mesh()):
+            return jax.jit(self.threaded)(*self.threaded_args)
 
     def expected_message(self, err: dict[str, Any]) -> str | None:
         """The message `checked` should give for the threaded error record."""
@@ -1067,6 +1171,11 @@ class Program:
     def reproducer(self, check_code: str, *, threaded: bool = False) -> str:
         """Standalone Python source that rebuilds the program and runs `check_code`."""
         args = ", ".join(f"jnp.array({np.asarray(a).tolist()!r}, jnp.float32)" for a in self.args)
+        if self.explicit:
+            placed = "args = tuple(jax.device_put(a, ON()) for a in threaded_args)"
+            args_code = f"threaded_args = ({args},)\n{placed}"
+        else:
+            args_code = f"args = ({args},)\nthreaded_args = args"
         parts = [
             f"# kups fuzz reproducer: seed {self.seed}, effects={self.effects}",
             f"# (rerun the fuzzer on it: KUPS_FUZZ_SEED={self.seed} KUPS_FUZZ_N=1)",
@@ -1080,8 +1189,15 @@ class Program:
             parts.append("def mesh():\n    return MESH")
             parts += [inspect.getsource(f) for f in _RUNTIME]
             parts.append(self.threaded_source)
-        parts.append(f"args = ({args},)")
-        parts.append(textwrap.dedent(check_code).strip())
+            parts.append(
+                "def run_threaded():\n    with jax.set_mesh(MESH):\n"
+                "        return jax.jit(program_threaded)(*threaded_args)"
+            )
+        parts.append(args_code)
+        check_code = textwrap.dedent(check_code).strip()
+        if self.explicit:
+            check_code = "with jax.set_mesh(MESH_E):\n" + textwrap.indent(check_code, "    ")
+        parts.append(check_code)
         return "\n\n".join(parts) + "\n"
 
 
@@ -1101,6 +1217,8 @@ def _namespace() -> dict[str, Any]:
         "np": np,
         "P": P,
         "MESH": mesh(),
+        "MESH_E": explicit_mesh(),
+        "ON": on,
         "TAG": TAG,
         "sow": sow,
         "check": check,
@@ -1109,15 +1227,22 @@ def _namespace() -> dict[str, Any]:
     return ns
 
 
+EXPLICIT_SHARE = 0.3  # of the programs, explicit (see the module docstring)
+
+
 def generate(seed: int, *, effects: bool = False) -> Program:
     """The program of `seed` (`effects=True`: with sows and checks)."""
-    gen = Generator(seed * 2 + int(effects), effects=effects)
+    # A separate stream decides, so the other programs stay what they were.
+    explicit = random.Random(f"explicit {seed} {effects}").random() < EXPLICIT_SHARE
+    gen = Generator(seed * 2 + int(effects), effects=effects, explicit=explicit)
+    if explicit:
+        gen.features.add("explicit")
     top = Scope(n=N, visible=[], depth=0)
     body = gen.block(["a", "b"], top, size=(2, 4))
     other = gen.rng.choice(["a", "b", *[s.out for s in body.stmts[:-1] if hasattr(s, "out")]])
     if isinstance(body.stmts[-1], Sow):
         other = body.stmts[-1].out
-    return build(seed, effects, body, other, gen.features)
+    return build(seed, effects, body, other, gen.features, explicit)
 
 
 def _checks_in(block: Block) -> list[Check]:
@@ -1130,7 +1255,9 @@ def _checks_in(block: Block) -> list[Check]:
     return found
 
 
-def build(seed: int, effects: bool, body: Block, other: str, features: set[str]) -> Program:
+def build(
+    seed: int, effects: bool, body: Block, other: str, features: set[str], explicit: bool = False
+) -> Program:
     """The `Program` of a program tree: its two sources, compiled."""
     plain = Emitter(threaded=False)
     plain.line("def program(a, b):")
@@ -1151,7 +1278,11 @@ def build(seed: int, effects: bool, body: Block, other: str, features: set[str])
     threaded_source = "\n".join(threaded.lines) + "\n"
 
     rng = np.random.RandomState(seed % (2**32))
-    args = tuple(jnp.asarray(rng.uniform(-1.0, 1.0, (N,)).astype(np.float32)) for _ in range(2))
+    threaded_args = tuple(
+        jnp.asarray(rng.uniform(-1.0, 1.0, (N,)).astype(np.float32)) for _ in range(2)
+    )
+    # An explicit program's arguments live on the Explicit mesh (replicated).
+    args = tuple(jax.device_put(a, on()) for a in threaded_args) if explicit else threaded_args
     ns = _namespace()
     filename = program_filename(seed, effects)
     exec(compile(source, filename, "exec"), ns)
@@ -1169,6 +1300,8 @@ def build(seed: int, effects: bool, body: Block, other: str, features: set[str])
         threaded=ns["program_threaded"],
         body=body,
         other=other,
+        explicit=explicit,
+        threaded_args=threaded_args,
     )
 
 
@@ -1195,7 +1328,7 @@ def _simpler(stmt: Any) -> Any | None:
         return stmt  # the body sees other shapes: keep it, shrink its body
     if isinstance(stmt, Op):
         src = stmt.args[0]
-    elif isinstance(stmt, Sow):
+    elif isinstance(stmt, Sow | Reshard):
         src = stmt.src
     elif isinstance(stmt, Scan | Fori | While):
         src = stmt.init
@@ -1209,7 +1342,14 @@ def shrink(program: Program, fails: Callable[[Program], bool], *, budget: int = 
     first, by copies of their inputs while the failure persists."""
 
     def rebuild(body: Block) -> Program:
-        return build(program.seed, program.effects, body, program.other, program.features)
+        return build(
+            program.seed,
+            program.effects,
+            body,
+            program.other,
+            program.features,
+            program.explicit,
+        )
 
     best = program
     changed = True

@@ -77,7 +77,8 @@ def chunks(count: int) -> list[range]:
 def failure(program: progen.Program, check: Callable[[progen.Program], None]) -> str | None:
     """The report of what `check` finds wrong with `program`, or `None`."""
     try:
-        check(program)
+        with program.context():
+            check(program)
     except Mismatch as err:
         return _report(program, str(err), err.call, err.threaded)
     except Exception as err:  # noqa: BLE001 - any crash is a finding: report it with its repro
@@ -216,7 +217,7 @@ def check_identity(program: progen.Program) -> None:
     eager_count = program.seed % 4 == 0
     counted = count_primitives(fn) if eager_count else jax.jit(count_primitives(fn))
     out, counts = counted(*args)
-    (_, _), state = jax.jit(program.threaded)(*args)
+    (_, _), state = program.run_threaded()
     want = {fam: int(state["n"][fam]) for fam in program.families}
     got = progen.family_counts(counts)
     call = "count_primitives(program)" if eager_count else "jax.jit(count_primitives(program))"
@@ -290,7 +291,7 @@ def test_identity_grads_and_counts(seeds):
 def check_effects(program: progen.Program) -> None:
     fn, args = program.fn, program.args
     expected = fn(*args)
-    (_, _), state = jax.jit(program.threaded)(*args)
+    (_, _), state = program.run_threaded()
 
     out, reaped = reap(fn, tag=progen.TAG)(*args)
     if not tree_equal(out, expected):
@@ -306,7 +307,7 @@ def check_effects(program: progen.Program) -> None:
             f"(kups) vs {shapes} (expected)",
             """
             _, reaped = reap(program, tag=TAG)(*args)
-            (_, _), state = jax.jit(program_threaded)(*args)
+            (_, _), state = run_threaded()
             for name in sorted(set(reaped) | set(state["sow"])):
                 print(name, reaped.get(name), state["sow"].get(name))
             """,
