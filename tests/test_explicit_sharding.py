@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from kups.checks import check, checked
 from kups.debug import find_nans
+from kups.effects import Interpreter, default_dispatcher, reinterpret
 from kups.harvest import plant, reap, sow
 from kups.instrument import count_primitives
 
@@ -387,3 +388,25 @@ def test_find_nans_reaching_through_an_op_after_shard_map(axis_type):
     assert np.isnan(np.asarray(out)).any()
     assert jax.jit(find_nans(fn, report="first"))(x)[1].found
     assert (report.found, report.primitive, report.source) == (True, "log", at("reaching log"))
+
+
+# ---------------------------------------------------------------------------
+# The identity: a context that went through a jitted program on the mesh
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", list(PROGRAMS))
+def test_identity_context_from_jit_goes_in_again(where):
+    fn, make_args = PROGRAMS[where]
+    args = make_args(0.25)
+    wrapped = jax.jit(reinterpret(fn, Interpreter(default_dispatcher())))
+    ctx = {"a": jnp.arange(3.0), "n": jnp.int32(7)}
+    out, ctx_out = wrapped(ctx, *args)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(fn)(*args)))
+    # The context comes back on the program's mesh; it goes into the same program
+    # again, and onto the mesh explicitly.
+    again, ctx_again = wrapped(ctx_out, *args)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(out))
+    for leaf, original in zip(jax.tree.leaves(ctx_again), jax.tree.leaves(ctx), strict=True):
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(original))
+    assert_reusable(ctx_again, args[0])
