@@ -1038,7 +1038,7 @@ def _propagate(
         if collective:
             key = tuple(inputs)
             if key not in across:
-                across[key] = _across_shards(state, inherited, name, eqn.params)
+                across[key] = _across_shards(state, inherited, eqn.params)
             inherited = across[key]
         fine, has_nan = _finite_and_nan(outval)
         info = _new_info(site, state.pos, has_nan)
@@ -1091,23 +1091,24 @@ def _collective_axes(params: Any) -> tuple[Any, ...]:
     return tuple(a for a in axes if not isinstance(a, int))
 
 
-def _across_shards(state: _Taint, origin: _Origin | None, name: str, params: Any) -> _Origin:
+def _across_shards(state: _Taint, origin: _Origin | None, params: Any) -> _Origin:
     """The earliest of the shards' `origin`s over the collective's axes (the first
     shard in mesh order on ties): every shard's output may hold any shard's NaN."""
-    del name
-    axes = _collective_axes(params)
-    own = state.here.reshape(())
-    length = state.pos.shape[0]
     if origin is None:
-        origin = _Origin(_FINE, np.zeros(length, np.int32), False)
+        origin = _Origin(_FINE, np.zeros(state.pos.shape[0], np.int32), False)
+    return _earliest_over(state.here.reshape(()), origin, _collective_axes(params))
+
+
+def _earliest_over(own: Any, origin: _Origin, axes: tuple[Any, ...]) -> _Origin:
+    """The earliest of the shards' `origin`s over `axes`, the same on every shard;
+    `own` is the shard's index in the mesh (the first shard wins ties)."""
     # `where` on the shard index makes the values varying, as the collectives need.
     varying = own >= 0
     w = jnp.where(varying, origin.w, _FINE)
-    info = jnp.where(varying, origin.info, 0)
     first = _all_axes(jax.lax.pmin, w, axes)
     candidate = jnp.where(w == first, own, _NO_SHARD)
     chosen = own == _all_axes(jax.lax.pmin, candidate, axes)
-    info = _all_axes(jax.lax.psum, jnp.where(chosen, info, 0), axes)
+    info = _all_axes(jax.lax.psum, jnp.where(chosen, origin.info, 0), axes)
     return _Origin(first, info, origin.external)
 
 
@@ -1258,12 +1259,7 @@ def _earliest_shard(manual: tuple[Any, ...]) -> Callable[[_Taint], _Taint]:
         def reduce(origin: Any) -> Any:
             if not isinstance(origin, _Origin):
                 return origin
-            w = jnp.where(varying, origin.w, _FINE)
-            first = _all_axes(jax.lax.pmin, w, manual)
-            candidate = jnp.where(w == first, own, _NO_SHARD)
-            chosen = own == _all_axes(jax.lax.pmin, candidate, manual)
-            info = _all_axes(jax.lax.psum, jnp.where(chosen, origin.info, 0), manual)
-            return _Origin(first, info, origin.external)
+            return _earliest_over(own, origin, manual)
 
         io = state.io
         io = _IO(io.role, io.counts, tuple(reduce(o) for o in io.origins))
