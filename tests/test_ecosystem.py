@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -647,3 +648,107 @@ def test_blackjax_sow_in_log_density(blackjax: ModuleType) -> None:
     # proposal blackjax reports.
     assert reaped["x"].shape == (HMC_STEPS, LEAPFROG_STEPS, 3)
     assert_trees_equal(reaped["x"][:, -1], expected[2], "last leapfrog positions")
+
+
+# ---------------------------------------------------------------------------
+# jax-md: a Lennard-Jones NVE run with a neighbor list.
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def jax_md() -> ModuleType:
+    return library("jax_md", "jax-md")
+
+
+MD_STEPS = 5
+
+
+class LennardJones:
+    """Sixteen Lennard-Jones particles on a perturbed 4x4 grid in a periodic box,
+    a neighbor list, and `MD_STEPS` velocity-Verlet (NVE) steps in a `fori_loop`
+    that updates the neighbor list after each step."""
+
+    def __init__(self, jax_md: ModuleType) -> None:
+        space, energy, simulate = jax_md.space, jax_md.energy, jax_md.simulate
+        displacement, shift = space.periodic(4.0)
+        # No cell list (sixteen particles need none): jax-md keeps a cell list's
+        # cell size, an array, as static pytree metadata, which JAX's jit cache
+        # cannot compare once the same function has been traced twice (plain
+        # `jax.grad(jax.jit(f))` fails the same way).
+        self.neighbor_fn, self.energy_fn = energy.lennard_jones_neighbor_list(
+            displacement,
+            4.0,
+            r_cutoff=1.5,
+            dr_threshold=0.3,
+            capacity_multiplier=1.5,
+            disable_cell_list=True,
+        )
+        self.init, self.apply = simulate.nve(self.energy_fn, shift, dt=1e-3)
+        grid = jnp.stack(jnp.meshgrid(jnp.arange(4.0), jnp.arange(4.0)), axis=-1).reshape(-1, 2)
+        wobble = 0.05 * jnp.sin(jnp.arange(32.0)).reshape(16, 2)
+        self.positions = grid + 0.05 + wobble
+        self.force_fn = jax_md.quantity.force(self.energy_fn)
+
+    def args(self, positions: jax.Array | None = None) -> tuple[Any, ...]:
+        positions = self.positions if positions is None else positions
+        return jax.random.key(0), positions, self.neighbor_fn.allocate(positions)
+
+    def run(self, key: jax.Array, positions: jax.Array, neighbors: Any) -> tuple[Any, ...]:
+        state = self.init(key, positions, kT=0.1, neighbor=neighbors)
+
+        def step(_: jax.Array, carry: tuple[Any, Any]) -> tuple[Any, Any]:
+            state, neighbors = carry
+            state = self.apply(state, neighbor=neighbors)
+            return state, neighbors.update(state.position)
+
+        state, neighbors = jax.lax.fori_loop(0, MD_STEPS, step, (state, neighbors))
+        return state.position, state.momentum, neighbors.did_buffer_overflow
+
+
+def test_jax_md_identity(jax_md: ModuleType) -> None:
+    system = LennardJones(jax_md)
+    positions, _, overflow = assert_identity(system.run, *system.args())
+    assert not bool(overflow)
+    assert not np.array_equal(positions, system.positions)
+
+
+def test_jax_md_gradient(jax_md: ModuleType) -> None:
+    system = LennardJones(jax_md)
+    key, positions, neighbors = system.args()
+
+    def final_energy(positions: jax.Array) -> jax.Array:
+        final, _, _ = system.run(key, positions, neighbors)
+        return system.energy_fn(final, neighbor=neighbors)
+
+    grad = assert_grad_identity(final_energy, positions, argnums=0, eager=False)
+    assert bool(jnp.all(jnp.isfinite(grad))) and bool(jnp.any(grad != 0))
+
+
+def test_jax_md_count(jax_md: ModuleType) -> None:
+    system = LennardJones(jax_md)
+    args = system.args()
+    counts = count_and_compare(system.run, *args)
+    # Without kups: `pow` in the traced program (the fori_loop is a scan of
+    # MD_STEPS steps)...
+    assert counts["pow"] == static_count(jax.make_jaxpr(system.run)(*args), "pow")
+    # ... and by hand: one force evaluation to start, one a step.
+    per_force = static_count(jax.make_jaxpr(system.force_fn)(args[1], neighbor=args[2]), "pow")
+    assert per_force > 0
+    assert counts["pow"] == per_force * (1 + MD_STEPS)
+    assert counts.opaque == {}
+
+
+def test_jax_md_find_nans(jax_md: ModuleType) -> None:
+    system = LennardJones(jax_md)
+    # Two particles on top of each other: an infinite Lennard-Jones force.
+    overlapping = system.positions.at[1].set(system.positions[0])
+    args = system.args(overlapping)
+    positions, _, _ = system.run(*args)
+    assert not bool(jnp.all(jnp.isfinite(positions)))
+    out, report = find_nans(system.run)(*args)
+    assert_trees_equal(out, system.run(*args), "find_nans outputs")
+    assert report.found and report.kind in ("nan", "inf")
+    assert report.path is not None and f"{os.sep}jax_md{os.sep}" in report.path
+    assert report.source is not None and report.primitive is not None
+    _, report = find_nans(system.run)(*system.args())
+    assert not report.found
