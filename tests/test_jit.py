@@ -153,10 +153,11 @@ def test_donation_params_shift_past_ctx_and_consts():
     donated = [v for v, d in zip(eqn.invars, eqn.params["donated_invars"]) if d]
     assert donated == [outer_invars[3]]
     assert len(eqn.params["donated_invars"]) == len(eqn.invars)
-    # The handler's constant and ctx["log"] entered the body, so the indices did
-    # shift; ctx["other"], which the body never reads, did not enter.
-    assert len(eqn.invars) == 4
-    assert eqn.invars[1] is outer_invars[0] and outer_invars[1] not in eqn.invars
+    # ctx["log"] entered the body, so the indices did shift; the handler's constant
+    # is closed over (a constant of the body, not an input), and ctx["other"], which
+    # the body never reads, did not enter.
+    assert len(eqn.invars) == 3 and len(eqn.params["jaxpr"].consts) == 1
+    assert eqn.invars[0] is outer_invars[0] and outer_invars[1] not in eqn.invars
 
 
 def test_donation_eager_deletes_user_buffer_not_ctx():
