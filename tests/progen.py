@@ -8,7 +8,7 @@ and off) with `psum`, `pmax`, `all_gather`, `ppermute` and `axis_index`,
 nested up to three deep. With `effects=True` it also sprinkles `sow`s (every
 mode, where the contract allows them) and `check`s.
 
-About a third of the programs are *explicit*: their arguments are placed on the
+About a fifth of the programs are *explicit*: their arguments are placed on the
 same 4x2 mesh with Explicit axes (sharding in types, replicated), each
 `shard_map` runs on that mesh with its operands `reshard`ed to its `in_specs`
 first (JAX checks them against the operands' shardings) and its result
@@ -1227,7 +1227,7 @@ def _namespace() -> dict[str, Any]:
     return ns
 
 
-EXPLICIT_SHARE = 0.3  # of the programs, explicit (see the module docstring)
+EXPLICIT_SHARE = 0.2  # of the programs, explicit (see the module docstring)
 
 
 def generate(seed: int, *, effects: bool = False) -> Program:

@@ -13,6 +13,10 @@ For every generated program:
   reports the threaded twin's first failing check, with its iteration, shard
   and source line.
 
+About a fifth of the programs are explicit (`progen`'s docstring): their
+arguments live on a mesh with Explicit axes and they run under `jax.set_mesh`
+of it, as users of sharding in types call them.
+
 Every failure prints a standalone reproducer: the seed, the program's source and
 the call that failed.
 
