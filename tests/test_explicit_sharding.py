@@ -70,6 +70,21 @@ def shard_program(x):
     return jax.shard_map(shard_body, mesh=MESH, in_specs=P("x", "y"), out_specs=P("x", "y"))(x)
 
 
+def shard_x_body(block):
+    value = sow(jnp.sin(block), tag="t", name="in_shard")
+    check(jnp.all(value < 0.9), "too big: {}", jnp.max(value))  # shard_x check
+    logged = jnp.log(value + 0.5)  # shard_x log
+    return logged + lax.psum(jnp.sum(value), "x") * 0.01
+
+
+def shard_x_program(x):
+    # Manual over x only: y stays an Explicit axis inside the body.
+    mapped = jax.shard_map(
+        shard_x_body, mesh=MESH, in_specs=P("x"), out_specs=P("x"), axis_names={"x"}
+    )
+    return mapped(x)
+
+
 def auto_region(u, w):
     product = sow(jnp.tanh(u @ w.T), tag="t", name="in_auto")
     check(jnp.all(product < 0.9), "too big: {}", jnp.max(product))  # auto check
@@ -87,6 +102,11 @@ def shard_args(scale: float) -> tuple[jax.Array]:
     return (placed(values, "x", "y"),)
 
 
+def shard_x_args(scale: float) -> tuple[jax.Array]:
+    values = np.linspace(-1.0, 1.0, 32, dtype=np.float32).reshape(8, 4) * scale
+    return (placed(values, "x", None),)
+
+
 def auto_args(scale: float) -> tuple[jax.Array, jax.Array]:
     values = np.linspace(-1.0, 1.0, 32, dtype=np.float32).reshape(8, 4) * scale
     w = np.full((4, 4), 0.25, np.float32)
@@ -95,6 +115,7 @@ def auto_args(scale: float) -> tuple[jax.Array, jax.Array]:
 
 PROGRAMS: dict[str, tuple[Callable[..., Any], Callable[[float], tuple[jax.Array, ...]]]] = {
     "shard_map": (shard_program, shard_args),
+    "shard_map_x": (shard_x_program, shard_x_args),
     "auto_axes": (auto_program, auto_args),
 }
 # How the program is called: eagerly or jitted, with or without a context mesh.
@@ -111,12 +132,20 @@ def plain_region_value(x: jax.Array, w: jax.Array) -> np.ndarray:
     return np.tanh(np.asarray(x, np.float64) @ np.asarray(w, np.float64).T)
 
 
-def plain_shard_values(x: jax.Array) -> np.ndarray:
-    """`sin` of each shard's block, stacked in mesh order (x major)."""
+def plain_shard_values(x: jax.Array, where: str = "shard_map") -> np.ndarray:
+    """`sin` of each shard's block, stacked in mesh order (x major): over x and y,
+    or over x only (`shard_map_x`)."""
     values = np.sin(np.asarray(x, np.float64))
+    if where == "shard_map_x":
+        return np.stack([values[2 * i : 2 * i + 2] for i in range(4)])
     return np.stack(
         [values[2 * i : 2 * i + 2, 2 * j : 2 * j + 2] for i in range(4) for j in range(2)]
     )
+
+
+def shard_coordinates(where: str, index: int) -> dict[str, int]:
+    """The mesh coordinates of the shard at `index` in mesh order."""
+    return {"x": index} if where == "shard_map_x" else {"x": index // 2, "y": index % 2}
 
 
 def assert_reusable(tree: Any, x: jax.Array) -> None:
@@ -142,31 +171,34 @@ _REACHING_OUT_OF_AUTO_AXES = (
     "and its bookkeeping (typed on the region's Auto mesh) meets the program's "
     "Explicit arrays: 'Mesh for all inputs should be equal'"
 )
+_EAGER_STATE_UNPLACED = (
+    "eagerly, find_nans passes its per-shard state to the shard_map it builds unplaced, "
+    "so it does not match the in_specs it declares (e.g. int32[4,2] placed P(None, None))"
+)
+_EAGER_PLANT_UNPLACED = (
+    "eagerly, plant passes the (unplaced) planted value to the shard_map it builds, "
+    "whose in_specs (e.g. P('x', 'y', None, None)) it does not match"
+)
+_VERIFIER = (
+    "JAX 0.12 under jax.set_mesh: the shard_map find_nans builds fails the MLIR "
+    "verifier ('sdy.manual_computation' operand local shape 4x2 vs 1x1)"
+)
+NEW_JAX = jax.__version_info__ >= (0, 11)
 KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
     **{("find_nans", "auto_axes", how): _REACHING_OUT_OF_AUTO_AXES for how in CALLS},
-    ("find_nans", "shard_map", "eager"): (
-        "eagerly, find_nans passes its per-shard state to shard_map with a sharding "
-        "that does not match the in_specs it declares (int32[4,2] placed P(None, None))"
-    ),
-    ("find_nans", "shard_map", "eager-set_mesh"): (
-        "eagerly, find_nans passes its per-shard state to shard_map with a sharding "
-        "that does not match the in_specs it declares (int32[4,2] placed P(None, None))"
-    ),
+    **{("find_nans", "shard_map", how): _EAGER_STATE_UNPLACED for how in CALLS[0::2]},
+    **{("plant", "shard_map", how): _EAGER_PLANT_UNPLACED for how in CALLS[0::2]},
+    # Manual over x only: JAX 0.10 without a context mesh cannot place find_nans'
+    # state either ("Length of device assignment 1 is not equal to the size of the
+    # mesh 8"); JAX 0.12 fails like the full-manual shard_map.
+    ("find_nans", "shard_map_x", "eager"): _EAGER_STATE_UNPLACED,
 }
-KNOWN_FAILURES.update(
-    {
-        ("plant", "shard_map", how): (
-            "eagerly, plant passes an unplaced planted value to shard_map, whose "
-            "in_specs P('x', 'y', None, None) it does not match"
-        )
-        for how in ("eager", "eager-set_mesh")
-    }
-)
-if jax.__version_info__ >= (0, 11):
-    KNOWN_FAILURES[("find_nans", "shard_map", "jit-set_mesh")] = (
-        "JAX 0.12 under jax.set_mesh: the shard_map find_nans builds fails the MLIR "
-        "verifier ('sdy.manual_computation' operand local shape 4x2 vs 1x1)"
-    )
+if NEW_JAX:
+    KNOWN_FAILURES[("find_nans", "shard_map", "jit-set_mesh")] = _VERIFIER
+    KNOWN_FAILURES[("find_nans", "shard_map_x", "jit-set_mesh")] = _VERIFIER
+    KNOWN_FAILURES[("find_nans", "shard_map_x", "eager-set_mesh")] = _EAGER_STATE_UNPLACED
+    KNOWN_FAILURES[("plant", "shard_map_x", "eager")] = _EAGER_PLANT_UNPLACED
+    KNOWN_FAILURES[("plant", "shard_map_x", "eager-set_mesh")] = _EAGER_PLANT_UNPLACED
 
 
 def params(effect: str, programs: Any = PROGRAMS) -> list[Any]:
@@ -192,10 +224,11 @@ def test_reap(where, how):
     out, reaped = call(reap(fn, tag="t"), how, *args)
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-6, atol=1e-6)
     assert out.sharding.is_equivalent_to(expected.sharding, out.ndim)
-    if where == "shard_map":
+    if where.startswith("shard_map"):
         # One entry per shard, in mesh order.
         assert set(reaped) == {"in_shard"}
-        np.testing.assert_allclose(reaped["in_shard"], plain_shard_values(*args), rtol=1e-6)
+        want = plain_shard_values(*args, where)
+        np.testing.assert_allclose(reaped["in_shard"], want, rtol=1e-6)
     else:
         assert set(reaped) == {"in_auto"}
         np.testing.assert_allclose(reaped["in_auto"], plain_region_value(*args), rtol=1e-6)
@@ -207,10 +240,11 @@ def test_reap(where, how):
 def test_plant(where, how):
     fn, make_args = PROGRAMS[where]
     args = make_args(0.5)
-    if where == "shard_map":
+    if where.startswith("shard_map"):
         # Every shard's value replaced by 0.25: log(0.75) everywhere, plus the psum
         # of the 32 planted values.
-        planted = {"in_shard": jnp.full((8, 2, 2), 0.25, jnp.float32)}
+        shape = plain_shard_values(*args, where).shape
+        planted = {"in_shard": jnp.full(shape, 0.25, jnp.float32)}
         want = np.log(np.float32(0.75)) + 32 * 0.25 * 0.01
     else:
         planted = {"in_auto": jnp.full((8, 4), 0.25, jnp.float32)}
@@ -326,14 +360,14 @@ def test_check_fails_and_passes(where, how):
     # Failing.
     args = make_args(2.0)
     out, error = call(checked(fn), how, *args)
-    if where == "shard_map":
+    if where.startswith("shard_map"):
         # sin of each block; the first shard in mesh order holding a value >= 0.9
         # is the first failure.
-        blocks = plain_shard_values(*args)
-        first = next(i for i in range(8) if np.max(blocks[i]) >= 0.9)
-        assert error.shard == {"x": first // 2, "y": first % 2}
+        blocks = plain_shard_values(*args, where)
+        first = next(i for i in range(len(blocks)) if np.max(blocks[i]) >= 0.9)
+        assert error.shard == shard_coordinates(where, first)
         biggest = np.max(blocks[first])
-        assert error.source == at("shard check")
+        assert error.source == at("shard_x check" if where == "shard_map_x" else "shard check")
     else:
         assert error.shard is None
         biggest = np.max(plain_region_value(*args))
@@ -365,7 +399,8 @@ def test_find_nans(where, how):
     assert np.isnan(np.asarray(out)).any()
     assert bool(report.found)
     assert report.primitive == "log"
-    assert report.source == at("shard log" if where == "shard_map" else "auto log")
+    marker = {"shard_map": "shard log", "shard_map_x": "shard_x log", "auto_axes": "auto log"}
+    assert report.source == at(marker[where])
     if how.startswith("jit"):
         assert_reusable(report, args[0])
 
