@@ -1095,9 +1095,8 @@ def test_no_kinds_checks_nothing():
 
 
 def test_policy_for_a_library_primitive_hiding_a_check():
-    from library_primitive import library_call
-
     from kups.effects import InterpreterPolicy
+    from library_primitive import library_call
 
     def f(x):
         (hidden,) = library_call(lambda v: (check(v > 0, "hidden"), v * 2)[1], x)

@@ -1001,3 +1001,19 @@ def test_scaling_by_a_small_constant_keeps_the_origin():
         return x * 3.0e38  # overflowing-mul
 
     expect(report_of(overflow, jnp.float32(2.0)), "mul", "overflowing-mul", kind="inf")
+
+
+def test_policy_for_a_library_primitive():
+    from kups.effects import InterpreterPolicy
+    from library_primitive import library_call
+
+    def f(x):
+        (y,) = library_call(lambda v: v * 2, x)
+        return jnp.log(y - 10.0)
+
+    with pytest.raises(NotImplementedError, match="library_call"):
+        find_nans(f)(jnp.float32(1.0))
+    out, report = find_nans(f, policy=InterpreterPolicy.IGNORE)(jnp.float32(1.0))
+    assert np.isnan(out) and report.found and report.primitive == "log"
+    with pytest.raises(TypeError, match="InterpreterPolicy"):
+        find_nans(f, policy="ignore")

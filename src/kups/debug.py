@@ -47,6 +47,7 @@ from kups.effects import (
     Handler,
     HandlerResult,
     Interpreter,
+    InterpreterPolicy,
     contains_subjaxprs,
     default_cond_handler,
     default_dispatcher,
@@ -57,6 +58,8 @@ from kups.effects import (
     reinterpret,
     shard_map_axes,
     source_location,
+    to_current_mesh,
+    wraps_with_leading,
 )
 
 __all__ = ["NanReport", "find_nans"]
@@ -775,6 +778,9 @@ def _and_or(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
 
 def _earliest(origins: list[_Origin]) -> _Origin:
     """The origin with the smallest `w` (the first, on ties)."""
+    # Origins made inside an `auto_axes` / `explicit_axes` region are typed for
+    # that region's mesh variant.
+    origins = to_current_mesh(origins)
     first = origins[0]
     for other in origins[1:]:
         later = jax.lax.lt(other.w, first.w)
@@ -799,8 +805,13 @@ class _TaintInterpreter(Interpreter):
     """Keeps the origins of the values of each jaxpr being run (a stack of frames,
     one per nested call), and maps `_IO` onto the jaxpr's inputs and outputs."""
 
-    def __init__(self, dispatcher: Dispatcher, sites: _Sites) -> None:
-        super().__init__(dispatcher, label="find_nans")
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        sites: _Sites,
+        policy: InterpreterPolicy = InterpreterPolicy.RAISE,
+    ) -> None:
+        super().__init__(dispatcher, policy=policy, label="find_nans")
         self.sites = sites
         self.frames: list[dict[Any, Any]] = []
         # Per frame: the equations run in it since `tick` was last advanced.
@@ -808,7 +819,12 @@ class _TaintInterpreter(Interpreter):
 
     def origins_of(self, atoms: Any) -> list[Any]:
         frame = self.frames[-1]
-        return [None if _is_literal(v) else frame[v] for v in atoms]
+        # Outputs of an equation run unwatched (an opaque call under
+        # policy=IGNORE/WARN) may hold a NaN/Inf of no site, like arguments.
+        return [
+            None if _is_literal(v) else frame[v] if v in frame else _float_origin(v.aval, _EXTERNAL)
+            for v in atoms
+        ]
 
     def set_origins(self, atoms: Any, origins: Any) -> None:
         self.frames[-1].update(zip(atoms, origins, strict=True))
@@ -835,7 +851,10 @@ class _TaintInterpreter(Interpreter):
         finally:
             self.frames.pop()
             self.pending.pop()
-        out_origins = [None if _is_literal(v) else frame[v] for v in jaxpr.outvars]
+        out_origins = [
+            None if _is_literal(v) else frame[v] if v in frame else _float_origin(v.aval, _EXTERNAL)
+            for v in jaxpr.outvars
+        ]
         return outs, ctx._replace(io=_leave(io, ctx, jaxpr, out_origins, outs))
 
 
@@ -1592,7 +1611,10 @@ jax.tree_util.register_pytree_node(NanReport, _flatten_report, _unflatten_report
 
 
 def find_nans(
-    fn: Callable[..., Any], *, report: str = "reaching"
+    fn: Callable[..., Any],
+    *,
+    report: str = "reaching",
+    policy: InterpreterPolicy = InterpreterPolicy.RAISE,
 ) -> Callable[..., tuple[Any, NanReport]]:
     """Wraps `fn` so that it also reports where a NaN or an Inf was made, and the
     line of user code that wrote it.
@@ -1624,6 +1646,10 @@ def find_nans(
     - `fn`: the function to check. Its arguments are pytrees; leaves that are not
       arrays are static.
     - `report`: `"reaching"` or `"first"`, as above.
+    - `policy`: what to do with a control-flow primitive kups has no handler for
+      (a library's own, holding a jaxpr): `InterpreterPolicy.RAISE` (the
+      default) raises, `WARN` warns and runs it unwatched, `IGNORE` runs it
+      unwatched.
 
     **Returns:**
 
@@ -1670,17 +1696,24 @@ def find_nans(
             f"equation whose output holds one, even if it is discarded later."
         )
 
-    @functools.wraps(fn)
+    if not isinstance(policy, InterpreterPolicy):
+        raise TypeError(
+            f"find_nans(fn, policy=...) takes an InterpreterPolicy, one of "
+            f"InterpreterPolicy.RAISE, InterpreterPolicy.WARN or InterpreterPolicy.IGNORE "
+            f"(from kups.effects import InterpreterPolicy); got {policy!r}."
+        )
+
+    @wraps_with_leading(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, NanReport]:
         sites = _Sites()
         if report == "first":
-            interpreter = _FramingInterpreter(_dispatcher(sites), label="find_nans")
+            interpreter = _FramingInterpreter(_dispatcher(sites), policy=policy, label="find_nans")
             out, state = reinterpret(fn, interpreter)(_initial_state(), *args, **kwargs)
             found = NanReport(
                 state.site, state.nan, state.shard, state.iterations, tuple(sites.sites)
             )
             return out, found
-        taint = _TaintInterpreter(_taint_dispatcher(sites), sites)
+        taint = _TaintInterpreter(_taint_dispatcher(sites), sites, policy)
         out, final = reinterpret(fn, taint)(_initial_taint(), *args, **kwargs)
         return out, _reaching_report(final, sites)
 

@@ -8,6 +8,7 @@ from ._effect import define_effect as define_effect
 from ._equations import shard_map_axes as shard_map_axes
 from ._equations import source_line as source_line
 from ._equations import source_location as source_location
+from ._equations import to_current_mesh as to_current_mesh
 from ._equations import varying_axes as varying_axes
 from ._interpreter import Interpreter as Interpreter
 from ._matching import contains_subjaxprs as contains_subjaxprs
@@ -62,6 +63,7 @@ __all__ = [
     "shard_map_axes",
     "source_line",
     "source_location",
+    "to_current_mesh",
     "varying_axes",
     "wraps_with_leading",
 ]

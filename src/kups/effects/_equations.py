@@ -69,3 +69,25 @@ def varying_axes(value: Any) -> frozenset[Any]:
     if isinstance(value, (jax.ShapeDtypeStruct, _compat.ShapedArray)):
         return _compat.varying_axes(value)
     return _compat.varying_axes(_compat.aval_of(value))
+
+
+def to_current_mesh(tree: Any) -> Any:
+    """`tree` with each array typed for the abstract mesh in effect.
+
+    Inside `jax.sharding.auto_axes` / `explicit_axes`, JAX runs operations under
+    a variant of the mesh with other axis types and rejects operands typed for
+    another variant. The interpreter moves the context along with the program;
+    a handler that keeps arrays of its own elsewhere (made in one region, used
+    in another) can bring them over with this. Arrays typed for no mesh, or for
+    an unrelated one, are returned as they are.
+
+    **Arguments:**
+
+    - `tree`: a pytree; its leaves that are arrays are retyped.
+
+    **Returns:**
+
+    The same pytree, each array typed for `jax.sharding.get_abstract_mesh()`.
+    """
+    mesh = _compat.current_mesh()
+    return jax.tree.map(lambda leaf: _compat.retype_for_mesh(leaf, mesh), tree)
