@@ -488,6 +488,8 @@ class Generator:
         kind = rng.choice(kinds)
         if self.explicit and "shard_map" in kinds and rng.random() < 0.3:
             kind = "shard_map"  # what explicit programs are most about
+        elif "auto_axes" in kinds and rng.random() < 0.2:
+            kind = "auto_axes"
         self.features.add(kind)
         out = self.fresh("v")
         pick = lambda: rng.choice(scope.visible)  # noqa: E731
