@@ -166,39 +166,15 @@ def assert_reusable(tree: Any, x: jax.Array) -> None:
 # explicit-sharding failure notes; remove the entry when it is fixed.
 # ---------------------------------------------------------------------------
 
-_REACHING_OUT_OF_AUTO_AXES = (
-    "report='reaching' follows a NaN made in an auto_axes region to an op after it, "
-    "and its bookkeeping (typed on the region's Auto mesh) meets the program's "
-    "Explicit arrays: 'Mesh for all inputs should be equal'"
-)
-_EAGER_STATE_UNPLACED = (
-    "eagerly, find_nans passes its per-shard state to the shard_map it builds unplaced, "
-    "so it does not match the in_specs it declares (e.g. int32[4,2] placed P(None, None))"
-)
-_EAGER_PLANT_UNPLACED = (
-    "eagerly, plant passes the (unplaced) planted value to the shard_map it builds, "
-    "whose in_specs (e.g. P('x', 'y', None, None)) it does not match"
-)
 _VERIFIER = (
     "JAX 0.12 under jax.set_mesh: the shard_map find_nans builds fails the MLIR "
     "verifier ('sdy.manual_computation' operand local shape 4x2 vs 1x1)"
 )
 NEW_JAX = jax.__version_info__ >= (0, 11)
-KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
-    **{("find_nans", "auto_axes", how): _REACHING_OUT_OF_AUTO_AXES for how in CALLS},
-    **{("find_nans", "shard_map", how): _EAGER_STATE_UNPLACED for how in CALLS[0::2]},
-    **{("plant", "shard_map", how): _EAGER_PLANT_UNPLACED for how in CALLS[0::2]},
-    # Manual over x only: JAX 0.10 without a context mesh cannot place find_nans'
-    # state either ("Length of device assignment 1 is not equal to the size of the
-    # mesh 8"); JAX 0.12 fails like the full-manual shard_map.
-    ("find_nans", "shard_map_x", "eager"): _EAGER_STATE_UNPLACED,
-}
+KNOWN_FAILURES: dict[tuple[str, str, str], str] = {}
 if NEW_JAX:
     KNOWN_FAILURES[("find_nans", "shard_map", "jit-set_mesh")] = _VERIFIER
     KNOWN_FAILURES[("find_nans", "shard_map_x", "jit-set_mesh")] = _VERIFIER
-    KNOWN_FAILURES[("find_nans", "shard_map_x", "eager-set_mesh")] = _EAGER_STATE_UNPLACED
-    KNOWN_FAILURES[("plant", "shard_map_x", "eager")] = _EAGER_PLANT_UNPLACED
-    KNOWN_FAILURES[("plant", "shard_map_x", "eager-set_mesh")] = _EAGER_PLANT_UNPLACED
 
 
 def params(effect: str, programs: Any = PROGRAMS) -> list[Any]:
@@ -266,12 +242,6 @@ def test_plant_a_value_placed_on_the_mesh_into_auto_axes():
     np.testing.assert_allclose(np.asarray(out), np.log(np.float32(0.75)) + 1.0, rtol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a value reaped inside an auto_axes region comes out typed on the region's "
-    "Auto mesh, so it cannot meet the program's Explicit arrays ('Mesh for all inputs "
-    "should be equal')",
-)
 @pytest.mark.parametrize("how", ["eager", "jit"])
 def test_value_reaped_in_auto_axes_meets_the_programs_arrays(how):
     args = auto_args(0.5)

@@ -816,15 +816,23 @@ class _TaintInterpreter(Interpreter):
         self.frames: list[dict[Any, Any]] = []
         # Per frame: the equations run in it since `tick` was last advanced.
         self.pending: list[int] = []
+        # Whether any value met so far is typed for a mesh: only then can origins
+        # be typed for different variants of one (see `origins_of`).
+        self.has_mesh = False
 
-    def origins_of(self, atoms: Any) -> list[Any]:
+    def origins_of(self, atoms: Any, eqn: JaxprEqn | None = None) -> list[Any]:
         frame = self.frames[-1]
         # Outputs of an equation run unwatched (an opaque call under
         # policy=IGNORE/WARN) may hold a NaN/Inf of no site, like arguments.
-        return [
+        origins = [
             None if _is_literal(v) else frame[v] if v in frame else _float_origin(v.aval, _EXTERNAL)
             for v in atoms
         ]
+        if eqn is None or not self.has_mesh:
+            return origins
+        # Origins made inside an `auto_axes` / `explicit_axes` region are typed for
+        # that region's variant of the mesh; bring them to the one `eqn` runs in.
+        return to_current_mesh(origins, eqn)
 
     def set_origins(self, atoms: Any, origins: Any) -> None:
         self.frames[-1].update(zip(atoms, origins, strict=True))
@@ -839,6 +847,10 @@ class _TaintInterpreter(Interpreter):
             passive = dataclasses.replace(ctx.scope, passive=True)
             outs, out_ctx = super().__call__(closed_jaxpr, ctx._replace(scope=passive), *args)
             return outs, out_ctx._replace(scope=ctx.scope)
+        if not self.has_mesh:
+            self.has_mesh = not jax.sharding.get_abstract_mesh().empty or any(
+                _typed_for_a_mesh(v.aval) for v in (*jaxpr.invars, *jaxpr.outvars)
+            )
         io = ctx.io
         origins, ctx = _enter(io, ctx, jaxpr, args)
         frame: dict[Any, Any] = dict.fromkeys(jaxpr.constvars)
@@ -856,6 +868,11 @@ class _TaintInterpreter(Interpreter):
             for v in jaxpr.outvars
         ]
         return outs, ctx._replace(io=_leave(io, ctx, jaxpr, out_origins, outs))
+
+
+def _typed_for_a_mesh(aval: Any) -> bool:
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    return mesh is not None and not mesh.empty
 
 
 def _enter(io: _IO, state: _Taint, jaxpr: Jaxpr, args: Any) -> tuple[list[Any], _Taint]:
@@ -1007,7 +1024,7 @@ def _taint_equation(
     outvals = default_primitive_handler(interpreter, state, eqn, invals).outvals
     if state.scope.passive:
         return HandlerResult(state, outvals)
-    origins = interpreter.origins_of(eqn.invars)
+    origins = interpreter.origins_of(eqn.invars, eqn)
     if all(o is None for o in origins):
         interpreter.set_origins(eqn.outvars, [None] * len(eqn.outvars))
         return HandlerResult(state, outvals)
@@ -1149,7 +1166,7 @@ def _taint_call(
     """A call (`jit`, `checkpoint`, custom derivatives, ...): the body takes the
     equation's inputs one to one."""
     state = _flush(interpreter, state)
-    origins = interpreter.origins_of(eqn.invars)
+    origins = interpreter.origins_of(eqn.invars, eqn)
     result = handler(interpreter, state._replace(io=_IO("call", (), tuple(origins))), eqn, invals)
     return _left(interpreter, state, eqn, result)
 
@@ -1212,7 +1229,7 @@ def _taint_loop(
     if state.scope.passive:
         return loop_handler(interpreter, state, eqn, invals)
     state = _flush(interpreter, state)
-    origins = interpreter.origins_of(eqn.invars)
+    origins = interpreter.origins_of(eqn.invars, eqn)
     in_avals = [v.aval for v in eqn.invars]
     length = state.pos.shape[0]
     if eqn.primitive.name == "scan":
@@ -1273,7 +1290,7 @@ def _taint_cond(interpreter: Any, state: _Taint, eqn: JaxprEqn, invals: list[Any
     if state.scope.passive:
         return default_cond_handler(interpreter, state, eqn, invals)
     state = _flush(interpreter, state)
-    origins = interpreter.origins_of(eqn.invars[1:])
+    origins = interpreter.origins_of(eqn.invars[1:], eqn)
     inner = state._replace(io=_IO("cond", (), tuple(origins)))
     return _left(interpreter, state, eqn, default_cond_handler(interpreter, inner, eqn, invals))
 
@@ -1316,7 +1333,7 @@ def _taint_shard_map(
     manual = tuple(name for name in mesh.axis_names if name in manual_set)
     names = {name for name, _ in state.scope.manual_axes} | set(manual)
     scope_axes = tuple((name, size) for name, size in mesh_axes if name in names)
-    origins = interpreter.origins_of(eqn.invars)
+    origins = interpreter.origins_of(eqn.invars, eqn)
     split = tuple(bool(_spec_names(spec) & set(manual)) for spec in eqn.params["in_specs"])
     inner = state._replace(
         io=_IO("shard_map", (len(origins), len(split)), (*origins, *[_Flag(s) for s in split])),
@@ -1404,9 +1421,13 @@ def _reaching_report(state: _Taint, sites: _Sites) -> NanReport:
     found = first.w < _UNKNOWN
     code = first.info[0]
     site = jnp.where(found, code // 2, -1)
-    return NanReport(
-        site, found & (code % 2 == 1), first.info[1], first.info[2:], tuple(sites.sites)
-    )
+    if isinstance(first.info, Tracer):
+        iterations = first.info[2:]
+    else:
+        # Eagerly, JAX 0.10.2 cannot slice an array typed for a mesh down to zero
+        # entries outside `jax.set_mesh`; on the host it is a plain copy.
+        iterations = jnp.asarray(np.asarray(first.info)[2:])
+    return NanReport(site, found & (code % 2 == 1), first.info[1], iterations, tuple(sites.sites))
 
 
 # ---------------------------------------------------------------------------

@@ -368,6 +368,25 @@ def current_mesh() -> Any:
     return jax.sharding.get_abstract_mesh()
 
 
+def typed_mesh(value: Any) -> Any:
+    """The (non-empty) mesh an array's type names in its sharding, or `None`."""
+    if not isinstance(value, (jax.Array, Tracer)):
+        return None
+    mesh = getattr(getattr(jax.typeof(value), "sharding", None), "mesh", None)
+    return None if mesh is None or mesh.empty else mesh
+
+
+def values_mesh(eqn: JaxprEqn) -> Any:
+    """The (non-empty) mesh the outputs (or else the inputs) of `eqn` are typed
+    for, or `None`."""
+    for var in (*eqn.outvars, *eqn.invars):
+        sharding = getattr(getattr(var, "aval", None), "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is not None and not mesh.empty:
+            return mesh
+    return None
+
+
 def retype_for_mesh(value: Any, mesh: Any) -> Any:
     """`value`, typed for `mesh` when its sharding is typed for another variant of
     it: the same axes with Auto and Explicit types swapped, as inside
@@ -400,6 +419,13 @@ def retype_for_mesh(value: Any, mesh: Any) -> Any:
         return entry if entry is not None and set(names) <= explicit else None
 
     spec = jax.sharding.PartitionSpec(*(keep(entry) for entry in sharding.spec))  # pyright: ignore[reportOptionalMemberAccess]
+    if not isinstance(value, Tracer):
+        # Eagerly, an array on devices: the same devices, typed the other way.
+        devices = getattr(getattr(value.sharding, "mesh", None), "devices", None)
+        if devices is None:
+            return value
+        concrete = jax.sharding.Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)
+        return jax.device_put(value, jax.sharding.NamedSharding(concrete, spec))
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.reshard(value, spec)
 

@@ -71,7 +71,7 @@ def varying_axes(value: Any) -> frozenset[Any]:
     return _compat.varying_axes(_compat.aval_of(value))
 
 
-def to_current_mesh(tree: Any) -> Any:
+def to_current_mesh(tree: Any, eqn: JaxprEqn | None = None) -> Any:
     """`tree` with each array typed for the abstract mesh in effect.
 
     Inside `jax.sharding.auto_axes` / `explicit_axes`, JAX runs operations under
@@ -84,10 +84,17 @@ def to_current_mesh(tree: Any) -> Any:
     **Arguments:**
 
     - `tree`: a pytree; its leaves that are arrays are retyped.
+    - `eqn`: the equation being handled. Where no mesh is in effect (the region's
+      mesh came from its arguments' shardings), the arrays are typed for the mesh
+      of `eqn`'s values instead.
 
     **Returns:**
 
     The same pytree, each array typed for `jax.sharding.get_abstract_mesh()`.
     """
     mesh = _compat.current_mesh()
+    if mesh.empty and eqn is not None:
+        mesh = _compat.values_mesh(eqn)
+    if mesh is None or mesh.empty:
+        return tree
     return jax.tree.map(lambda leaf: _compat.retype_for_mesh(leaf, mesh), tree)

@@ -167,12 +167,20 @@ class Interpreter:
         bind = _compat.bind_equation
         # Control flow that no handler touches is re-bound whole (see _untouched).
         skips = skipped_equations(jaxpr, self._handled)
-        # The abstract mesh the context's arrays are typed for (see _retyped).
+        # The abstract mesh in effect for the context's arrays (see _retyped), and
+        # the one they were typed for before the first region changed it.
         start_mesh = ctx_mesh = _compat.current_mesh()
+        home_mesh = None
         for index, (eqn, control_flow, free) in enumerate(_plan(jaxpr)):
             eqn_mesh = _compat.equation_mesh(eqn)
             if eqn_mesh is not ctx_mesh and eqn_mesh != ctx_mesh:
-                ctx, ctx_mesh = _retyped(ctx, eqn_mesh), eqn_mesh
+                if home_mesh is None:
+                    home_mesh = ctx_mesh if not ctx_mesh.empty else _typed_mesh(ctx)
+                target = eqn_mesh
+                if eqn_mesh.empty:  # type the context like the values it meets here
+                    target = _compat.values_mesh(eqn) or home_mesh
+                ctx = _retyped(ctx, target)
+                ctx_mesh = eqn_mesh
             invals = [v.val if is_literal(v) else env[v] for v in eqn.invars]  # pyright: ignore[reportAttributeAccessIssue]
             handler = handlers.get(eqn.primitive.name)
             source_info = eqn.source_info
@@ -203,7 +211,7 @@ class Interpreter:
                 env.pop(v, None)
         outs = [v.val if is_literal(v) else env[v] for v in jaxpr.outvars]  # pyright: ignore[reportAttributeAccessIssue]
         if ctx_mesh is not start_mesh and ctx_mesh != start_mesh:
-            ctx = _retyped(ctx, start_mesh)
+            ctx = _retyped(ctx, start_mesh if not start_mesh.empty else home_mesh)
         return outs, ctx
 
     def _dispatch(
@@ -246,12 +254,25 @@ class Interpreter:
         return _compat.bind_equation(eqn.primitive, eqn.params, invals)
 
 
+def _typed_mesh(ctx: Any) -> Any:
+    """The mesh the context's first array typed for one is typed for, if any."""
+    for leaf in jax.tree.leaves(ctx):
+        mesh = _compat.typed_mesh(leaf)
+        if mesh is not None:
+            return mesh
+    return None
+
+
 def _retyped(ctx: Any, mesh: Any) -> Any:
     """The context with its arrays typed for `mesh`. Inside an `auto_axes` or
     `explicit_axes` region, equations run under a variant of the mesh with other
     axis types, and JAX rejects an operation (a handler's, on the context) whose
     operands are typed for another one; the context's arrays follow the program
-    into the region and out of it, as `auto_axes` reshards the user's values."""
+    into the region and out of it, as `auto_axes` reshards the user's values.
+    Out of a region into code traced with no mesh in effect (the region's mesh
+    came from its arguments), they go back to the mesh they had before it."""
+    if mesh is None:
+        return ctx
     return jax.tree.map(lambda leaf: _compat.retype_for_mesh(leaf, mesh), ctx)
 
 

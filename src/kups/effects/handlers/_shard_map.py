@@ -173,6 +173,11 @@ def default_shard_map_handler(
         out_specs=(*(out_specs[j] for j in call.kept_out), *params["out_specs"]),
     )
     bound_args = call.inputs(args)
+    num_extra = len(bound_args) - len(invals)
+    bound_args = [
+        *_placed(bound_args[:num_extra], new_params["in_specs"][:num_extra], mesh, invals),
+        *bound_args[num_extra:],
+    ]
 
     def bind(*args: Any) -> list[Any]:
         return _compat.bind_shard_map(eqn.primitive, new_params, args)
@@ -189,6 +194,34 @@ def default_shard_map_handler(
         out = jax.jit(bind)(*bound_args)
     ctx_out, outs = call.outputs(args, out)
     return HandlerResult(out_spec.unflatten(ctx_out), outs)
+
+
+def _placed(values: list[Any], specs: Any, mesh: Any, invals: list[Any]) -> list[Any]:
+    """Eagerly, on a mesh with Explicit axes, `jax.shard_map` checks each argument's
+    sharding against its in-spec: the handler's own arguments (the context, the
+    body's consts) are put on the user's devices with their specs, as the user's
+    arguments already are. Traced values need nothing (the spec is a constraint)."""
+    if jax.sharding.AxisType.Explicit not in mesh.axis_types:
+        return values
+    concrete = next(
+        (
+            a.sharding.mesh
+            for a in invals
+            if isinstance(a, jax.Array)
+            and not isinstance(a, _compat.Tracer)
+            and isinstance(a.sharding, jax.sharding.NamedSharding)
+            and isinstance(a.sharding.mesh, jax.sharding.Mesh)
+        ),
+        mesh if isinstance(mesh, jax.sharding.Mesh) else None,
+    )
+    if concrete is None:
+        return values
+    return [
+        v
+        if isinstance(v, _compat.Tracer) or not isinstance(v, jax.Array)
+        else jax.device_put(v, jax.sharding.NamedSharding(concrete, spec))
+        for v, spec in zip(values, specs, strict=True)
+    ]
 
 
 def _contains_shard_map(jaxpr: Any) -> bool:
