@@ -48,6 +48,7 @@ from kups.effects import (
     HandlerResult,
     Interpreter,
     InterpreterPolicy,
+    check_policy,
     contains_subjaxprs,
     default_cond_handler,
     default_dispatcher,
@@ -1284,12 +1285,7 @@ def checked(
     if not callable(fn):
         raise TypeError(f"checked(fn) needs a callable, got {type(fn).__name__}: {fn!r}.")
     kinds = _kinds(errors)
-    if not isinstance(policy, InterpreterPolicy):
-        raise TypeError(
-            f"checked(fn, policy=...) takes an InterpreterPolicy, one of "
-            f"InterpreterPolicy.RAISE, InterpreterPolicy.WARN or InterpreterPolicy.IGNORE "
-            f"(from kups.effects import InterpreterPolicy); got {policy!r}."
-        )
+    check_policy(policy, "checked(fn, policy=...)")
 
     @wraps_with_leading(fn)
     def wrapped(*args: Params.args, **kwargs: Params.kwargs) -> tuple[Out, Error]:

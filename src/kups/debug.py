@@ -48,6 +48,7 @@ from kups.effects import (
     HandlerResult,
     Interpreter,
     InterpreterPolicy,
+    check_policy,
     contains_subjaxprs,
     default_cond_handler,
     default_dispatcher,
@@ -1717,12 +1718,7 @@ def find_nans(
             f"equation whose output holds one, even if it is discarded later."
         )
 
-    if not isinstance(policy, InterpreterPolicy):
-        raise TypeError(
-            f"find_nans(fn, policy=...) takes an InterpreterPolicy, one of "
-            f"InterpreterPolicy.RAISE, InterpreterPolicy.WARN or InterpreterPolicy.IGNORE "
-            f"(from kups.effects import InterpreterPolicy); got {policy!r}."
-        )
+    check_policy(policy, "find_nans(fn, policy=...)")
 
     @wraps_with_leading(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, NanReport]:

@@ -66,6 +66,7 @@ from kups.effects import (
     Interpreter,
     InterpreterPolicy,
     ScanSemantics,
+    check_policy,
     default_cond_handler,
     default_dispatcher,
     default_primitive_handler,
@@ -868,7 +869,7 @@ def reap(
     selection = _Selection.of("reap", tag, allowlist, blocklist, exclusive)
     if not callable(fn):
         raise TypeError(f"reap(fn, tag=...) needs a callable fn, got {type(fn).__name__}.")
-    _check_policy("reap", policy)
+    check_policy(policy, "reap(fn, policy=...)")
 
     @wraps_with_leading(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
@@ -1158,19 +1159,6 @@ def _check_values(caller: str, tag: str, values: Any) -> None:
         )
 
 
-def _check_policy(caller: str, policy: Any) -> None:
-    if isinstance(policy, InterpreterPolicy):
-        return
-    hint = ""
-    if isinstance(policy, str) and policy.upper() in InterpreterPolicy.__members__:
-        hint = f" For {policy!r}, pass InterpreterPolicy.{policy.upper()}."
-    raise TypeError(
-        f"{caller}(fn, policy=...) takes an InterpreterPolicy, one of "
-        f"InterpreterPolicy.RAISE, InterpreterPolicy.WARN or InterpreterPolicy.IGNORE "
-        f"(from kups.effects import InterpreterPolicy); got {policy!r}.{hint}"
-    )
-
-
 def _planted_call(
     fn: Callable[..., Any],
     selection: _Selection,
@@ -1248,7 +1236,7 @@ def plant(
     selection = _Selection.of("plant", tag, allowlist, blocklist, exclusive)
     if not callable(fn):
         raise TypeError(f"plant(fn, tag=...) needs a callable fn, got {type(fn).__name__}.")
-    _check_policy("plant", policy)
+    check_policy(policy, "plant(fn, policy=...)")
 
     @wraps_with_leading(fn, "values")
     def wrapped(values: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
@@ -1317,7 +1305,7 @@ def harvest(
     selection = _Selection.of("harvest", tag, allowlist, blocklist, exclusive)
     if not callable(fn):
         raise TypeError(f"harvest(fn, tag=...) needs a callable fn, got {type(fn).__name__}.")
-    _check_policy("harvest", policy)
+    check_policy(policy, "harvest(fn, policy=...)")
     planted = functools.partial(_planted_call, fn, selection, "harvest", True, policy)
 
     @wraps_with_leading(fn, "values")
@@ -1384,7 +1372,7 @@ def nest(
         raise TypeError(f"nest(fn, scope=...) needs a non-empty string scope, got {scope!r}.")
     if not callable(fn):
         raise TypeError(f"nest(fn, scope=...) needs a callable fn, got {type(fn).__name__}.")
-    _check_policy("nest", policy)
+    check_policy(policy, "nest(fn, policy=...)")
 
     def rescope(
         interpreter: Interpreter, ctx: Any, eqn: JaxprEqn, invals: list[Any]

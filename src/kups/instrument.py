@@ -38,6 +38,7 @@ from kups.effects import (
     Interpreter,
     InterpreterPolicy,
     Uninitialized,
+    check_policy,
     contains_subjaxprs,
     default_cond_handler,
     default_dispatcher,
@@ -419,19 +420,6 @@ class _CountingInterpreter(Interpreter):
         return super().__call__(closed_jaxpr, ctx, *args)
 
 
-def _check_policy(policy: Any) -> None:
-    if isinstance(policy, InterpreterPolicy):
-        return
-    hint = ""
-    if isinstance(policy, str) and policy.upper() in InterpreterPolicy.__members__:
-        hint = f" For {policy!r}, pass InterpreterPolicy.{policy.upper()}."
-    raise TypeError(
-        f"count_primitives(fn, policy=...) takes an InterpreterPolicy, one of "
-        f"InterpreterPolicy.RAISE, InterpreterPolicy.WARN or InterpreterPolicy.IGNORE "
-        f"(from kups.effects import InterpreterPolicy); got {policy!r}.{hint}"
-    )
-
-
 def count_primitives(
     fn: Callable[..., Any], *, policy: InterpreterPolicy = InterpreterPolicy.RAISE
 ) -> Callable[..., tuple[Any, PrimitiveCounts]]:
@@ -490,7 +478,7 @@ def count_primitives(
             f"count_primitives(fn) needs a callable fn, got {type(fn).__name__}. Pass the "
             f"function itself, not its result: count_primitives(f)(x)."
         )
-    _check_policy(policy)
+    check_policy(policy, "count_primitives(fn, policy=...)")
 
     @wraps_with_leading(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, PrimitiveCounts]:

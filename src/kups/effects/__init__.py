@@ -18,6 +18,7 @@ from ._types import HandlerResult as HandlerResult
 from ._types import InterpreterPolicy as InterpreterPolicy
 from ._types import ScanSemantics as ScanSemantics
 from ._types import Uninitialized as Uninitialized
+from ._types import check_policy as check_policy
 from .handlers import (
     default_checkpoint_handler as default_checkpoint_handler,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "ScanSemantics",
     "StaleTraceWarning",
     "Uninitialized",
+    "check_policy",
     "contains_subjaxprs",
     "default_checkpoint_handler",
     "default_closed_call_handler",

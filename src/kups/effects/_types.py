@@ -39,6 +39,30 @@ class InterpreterPolicy(enum.Enum):
     IGNORE = "ignore"
 
 
+def check_policy(policy: Any, caller: str) -> None:
+    """Raises a `TypeError` unless `policy` is an `InterpreterPolicy`.
+
+    For wrappers that take `policy=` and pass it to the `Interpreter` they build;
+    the message names `caller` and, for a string such as `"ignore"`, the member
+    meant.
+
+    **Arguments:**
+
+    - `policy`: what the user passed.
+    - `caller`: how the user called it, e.g. `"count_primitives(fn, policy=...)"`.
+    """
+    if isinstance(policy, InterpreterPolicy):
+        return
+    hint = ""
+    if isinstance(policy, str) and policy.upper() in InterpreterPolicy.__members__:
+        hint = f" For {policy!r}, pass InterpreterPolicy.{policy.upper()}."
+    raise TypeError(
+        f"{caller} takes an InterpreterPolicy, one of InterpreterPolicy.RAISE, "
+        f"InterpreterPolicy.WARN or InterpreterPolicy.IGNORE (from kups.effects import "
+        f"InterpreterPolicy); got {policy!r}.{hint}"
+    )
+
+
 class ScanSemantics(enum.Enum):
     """How `default_scan_handler` threads the context through the iterations.
 
