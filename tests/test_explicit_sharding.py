@@ -166,15 +166,9 @@ def assert_reusable(tree: Any, x: jax.Array) -> None:
 # explicit-sharding failure notes; remove the entry when it is fixed.
 # ---------------------------------------------------------------------------
 
-_VERIFIER = (
-    "JAX 0.12 under jax.set_mesh: the shard_map find_nans builds fails the MLIR "
-    "verifier ('sdy.manual_computation' operand local shape 4x2 vs 1x1)"
-)
-NEW_JAX = jax.__version_info__ >= (0, 11)
+# Where kups fails today, as strict xfails keyed by (effect, program, call); none
+# left on the supported releases.
 KNOWN_FAILURES: dict[tuple[str, str, str], str] = {}
-if NEW_JAX:
-    KNOWN_FAILURES[("find_nans", "shard_map", "jit-set_mesh")] = _VERIFIER
-    KNOWN_FAILURES[("find_nans", "shard_map_x", "jit-set_mesh")] = _VERIFIER
 
 
 def params(effect: str, programs: Any = PROGRAMS) -> list[Any]:

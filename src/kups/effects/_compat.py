@@ -430,6 +430,21 @@ def retype_for_mesh(value: Any, mesh: Any) -> Any:
         return jax.reshard(value, spec)
 
 
+def reshard_to_spec(value: Any, mesh: Any, spec: Any) -> Any:
+    """A traced `value` typed for `mesh` (explicit sharding), resharded to `spec`
+    when its type says otherwise; other values as they are."""
+    value_mesh = typed_mesh(value)
+    if value_mesh is None or value_mesh.axis_names != mesh.axis_names:
+        return value
+    have = tuple(jax.typeof(value).sharding.spec)
+    want = tuple(spec)
+    pad = (None,) * max(0, len(have) - len(want))
+    if have == want + pad:
+        return value
+    with jax.sharding.use_abstract_mesh(value_mesh):
+        return jax.reshard(value, spec)
+
+
 def shard_aval(
     mesh: Any, manual_axes: frozenset[Any], check_vma: bool, spec: Any, aval: Any
 ) -> Any:

@@ -200,7 +200,8 @@ def _placed(values: list[Any], specs: Any, mesh: Any, invals: list[Any]) -> list
     """Eagerly, on a mesh with Explicit axes, `jax.shard_map` checks each argument's
     sharding against its in-spec: the handler's own arguments (the context, the
     body's consts) are put on the user's devices with their specs, as the user's
-    arguments already are. Traced values need nothing (the spec is a constraint)."""
+    arguments already are. A traced value typed for the mesh (under `jax.set_mesh`)
+    is resharded to its spec, as JAX 0.12's lowering checks the types."""
     if jax.sharding.AxisType.Explicit not in mesh.axis_types:
         return values
     concrete = next(
@@ -214,11 +215,13 @@ def _placed(values: list[Any], specs: Any, mesh: Any, invals: list[Any]) -> list
         ),
         mesh if isinstance(mesh, jax.sharding.Mesh) else None,
     )
-    if concrete is None:
+    if concrete is None and not any(isinstance(v, _compat.Tracer) for v in values):
         return values
     return [
-        v
-        if isinstance(v, _compat.Tracer) or not isinstance(v, jax.Array)
+        _compat.reshard_to_spec(v, mesh, spec)
+        if isinstance(v, _compat.Tracer)
+        else v
+        if not isinstance(v, jax.Array)
         else jax.device_put(v, jax.sharding.NamedSharding(concrete, spec))
         for v, spec in zip(values, specs, strict=True)
     ]
