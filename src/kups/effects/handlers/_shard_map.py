@@ -221,7 +221,7 @@ def _placed(values: list[Any], specs: Any, mesh: Any, invals: list[Any]) -> list
         _compat.reshard_to_spec(v, mesh, spec)
         if isinstance(v, _compat.Tracer)
         else v
-        if not isinstance(v, jax.Array)
+        if not isinstance(v, jax.Array) or concrete is None
         else jax.device_put(v, jax.sharding.NamedSharding(concrete, spec))
         for v, spec in zip(values, specs, strict=True)
     ]
