@@ -369,11 +369,6 @@ def test_find_nans(where, how):
         assert_reusable(report, args[0])
 
 
-@pytest.mark.xfail(
-    jax.__version_info__[:2] == (0, 11),
-    reason="fails on JAX 0.11.2 (passes on 0.10.x and 0.12.0.1); cause not yet found",
-    strict=False,
-)
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 def test_find_nans_reaching_through_an_op_after_shard_map(axis_type):
     mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(axis_type,) * 2)

@@ -413,6 +413,11 @@ def _check_cond(interpreter: Any, state: _State, eqn: JaxprEqn, invals: list[Any
 def _all_axes(reduce: Callable[[Any, Any], Any], value: Any, axes: tuple[Any, ...]) -> Any:
     # One axis at a time: a collective over an axis tuple along some of which the
     # value is varying and along others invariant is an error in JAX 0.10.
+    if value.size == 0:
+        # Nothing to reduce (the iterations outside any loop). A fresh constant is
+        # what the collective would give, invariant; XLA 0.11.2 crashes compiling
+        # a collective over an empty array.
+        return jnp.zeros(value.shape, value.dtype)
     for axis in axes:
         value = reduce(value, axis)
     return value
