@@ -1711,15 +1711,17 @@ def test_policy_must_be_an_interpreter_policy(wrapper):
 
 
 def test_raise_says_a_sow_in_opaque_control_flow_would_be_lost():
+    # Each message names the policy= of the wrapper that raised, the user's way out.
     calls = [
-        lambda: reap(hiding_a_sow, tag="t")(1.0),
-        lambda: jax.jit(reap(hiding_a_sow, tag="t", policy=RAISE))(1.0),
-        lambda: plant(hiding_a_sow, tag="t")({"seen": 2.0}, 1.0),
-        lambda: harvest(hiding_a_sow, tag="t")({}, 1.0),
-        lambda: reap(nest(hiding_a_sow, scope="s"), tag="t", policy=IGNORE)(1.0),
+        ("reap", lambda: reap(hiding_a_sow, tag="t")(1.0)),
+        ("reap", lambda: jax.jit(reap(hiding_a_sow, tag="t", policy=RAISE))(1.0)),
+        ("plant", lambda: plant(hiding_a_sow, tag="t")({"seen": 2.0}, 1.0)),
+        ("harvest", lambda: harvest(hiding_a_sow, tag="t")({}, 1.0)),
+        ("nest", lambda: reap(nest(hiding_a_sow, scope="s"), tag="t", policy=IGNORE)(1.0)),
     ]
-    for call in calls:
-        with raises(NotImplementedError, "'library_call'", "library_primitive.py", "lost"):
+    for wrapper, call in calls:
+        way_out = f"policy=InterpreterPolicy.IGNORE to {wrapper}(fn, policy=...)"
+        with raises(NotImplementedError, "'library_call'", "library_primitive.py", "lost", way_out):
             call()
 
 

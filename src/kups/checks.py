@@ -1290,6 +1290,7 @@ def checked(
     @wraps_with_leading(fn)
     def wrapped(*args: Params.args, **kwargs: Params.kwargs) -> tuple[Out, Error]:
         interpreter = Interpreter(_dispatcher(kinds), policy=policy, label="kups.checks")
+        interpreter._policy_caller = "checked(fn, policy=...)"
         ctx = _Ctx(failed=jnp.zeros((), jnp.bool_), slots=(), loops=(), shard_axes=(), kinds=kinds)
         out, ctx = reinterpret(fn, interpreter)(ctx, *args, **kwargs)
         return out, Error(failed=ctx.failed, slots=ctx.slots)

@@ -1730,12 +1730,14 @@ def find_nans(
         sites = _Sites()
         if report == "first":
             interpreter = _FramingInterpreter(_dispatcher(sites), policy=policy, label="find_nans")
+            interpreter._policy_caller = "find_nans(fn, policy=...)"
             out, state = reinterpret(fn, interpreter)(_initial_state(), *args, **kwargs)
             found = NanReport(
                 state.site, state.nan, state.shard, state.iterations, tuple(sites.sites)
             )
             return out, found
         taint = _TaintInterpreter(_taint_dispatcher(sites), sites, policy)
+        taint._policy_caller = "find_nans(fn, policy=...)"
         out, final = reinterpret(fn, taint)(_initial_taint(), *args, **kwargs)
         return out, _reaching_report(final, sites)
 

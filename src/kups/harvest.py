@@ -592,9 +592,11 @@ class _Reaper:
         dispatcher.register_handler("while", self.while_loop)
         dispatcher.register_handler("cond", self.cond)
         dispatcher.register_handler("shard_map", self.shard_map)
-        return Interpreter(
+        interpreter = Interpreter(
             dispatcher, policy=policy, label=f"kups.harvest.{caller}({self.selection})"
         )
+        interpreter._policy_caller = f"{caller}(fn, policy=...)"
+        return interpreter
 
     def result(self, ctx: _Reaped) -> dict[str, Any]:
         """The reaped values as nested dicts (a scope is a dict of its names)."""
@@ -911,9 +913,11 @@ class _Planter:
         dispatcher.register_handler("scan", self.scan)
         dispatcher.register_handler("while", self.while_loop)
         dispatcher.register_handler("shard_map", self.shard_map)
-        return Interpreter(
+        interpreter = Interpreter(
             dispatcher, policy=policy, label=f"kups.harvest.{caller}({self.selection})"
         )
+        interpreter._policy_caller = f"{caller}(fn, policy=...)"
+        return interpreter
 
     def check_all_used(self, caller: str, values: Mapping[str, Any]) -> None:
         unused = sorted(_unused(values, self.seen))
@@ -1389,6 +1393,7 @@ def nest(
         interpreter = Interpreter(
             dispatcher, policy=policy, label=f"kups.harvest.nest(scope={scope!r})"
         )
+        interpreter._policy_caller = "nest(fn, policy=...)"
         out, _ = reinterpret(fn, interpreter)((), *args, **kwargs)
         return out
 

@@ -483,6 +483,7 @@ def count_primitives(
     @wraps_with_leading(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, PrimitiveCounts]:
         interpreter = _CountingInterpreter(_dispatcher(), policy=policy, label="count_primitives")
+        interpreter._policy_caller = "count_primitives(fn, policy=...)"
         out, tally = reinterpret(fn, interpreter)(_Tally({}, {}), *args, **kwargs)
         if _is_traced((args, kwargs, tally)):
             tally = jax.tree.map(lambda count: jnp.asarray(count, jnp.int32), tally)

@@ -104,6 +104,9 @@ class Interpreter:
         self.policy = policy
         self.label = label
         self._depth = 0
+        # How a user of an effect built on this interpreter chooses its policy
+        # (e.g. "count_primitives(fn, policy=...)"), for error messages.
+        self._policy_caller: str | None = None
         self._body_cache: dict[Any, Any] = {}
         # The primitives that go to handlers of their own (None: any may), read
         # from the dispatcher at the start of each top-level call.
@@ -231,7 +234,17 @@ class Interpreter:
         if self.policy is InterpreterPolicy.IGNORE:
             return _compat.bind_equation(eqn.primitive, eqn.params, invals)
         name = eqn.primitive.name
-        if is_control_flow(eqn):
+        caller = self._policy_caller
+        if caller is not None and is_control_flow(eqn):
+            message = (
+                f"{self.label or 'kups'}: no handler for the control-flow {where(eqn)}. "
+                f"Its sub-program would run without the interpreter, and "
+                f"{_what_would_be_lost(eqn, self._handled)} Pass "
+                f"policy=InterpreterPolicy.IGNORE to {caller} to run it unchanged (what "
+                f"happens inside it is then not seen), or InterpreterPolicy.WARN to be "
+                f"warned and go on (from kups.effects import InterpreterPolicy)."
+            )
+        elif is_control_flow(eqn):
             message = (
                 f"{self.label or 'kups'}: no handler for the control-flow {where(eqn)}. "
                 f"Its sub-program would run without the interpreter, and "
