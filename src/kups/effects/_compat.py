@@ -94,13 +94,36 @@ def _user_frame(eqn: JaxprEqn) -> Any:
     return next((f for f in frames if not _is_kups_frame(f.file_name)), None)
 
 
-def source_line(eqn: JaxprEqn) -> str:
-    """`file.py:LINE (function)` of the user's code that produced `eqn`."""
-    frame = _user_frame(eqn)
-    if frame is None:
-        return "unknown"
+def _is_installed_library(file_name: str) -> bool:
+    return any(part in file_name for part in _INSTALLED)
+
+
+_INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+
+
+def _show_frame(frame: Any) -> str:
     column = f":{frame.start_column}" if frame.start_column else ""
     return f"{frame.file_name}:{frame.start_line}{column} ({frame.function_name})"
+
+
+def source_line(eqn: JaxprEqn) -> str:
+    """`file.py:LINE (function)` of the user's code that produced `eqn`. When that
+    line is in an installed library (an equinox primitive, a diffrax solver), the
+    line of the user's own code that called into it follows: `lib.py:LINE (fn),
+    called from user.py:LINE (fn)`."""
+    frames = [
+        f
+        for f in _source_info_util.user_frames(eqn.source_info.traceback)
+        if not _is_kups_frame(f.file_name)
+    ]
+    if not frames:
+        return "unknown"
+    shown = _show_frame(frames[0])
+    if _is_installed_library(frames[0].file_name):
+        caller = next((f for f in frames if not _is_installed_library(f.file_name)), None)
+        if caller is not None:
+            shown += f", called from {_show_frame(caller)}"
+    return shown
 
 
 def user_frame(eqn: JaxprEqn) -> tuple[str, int] | None:
