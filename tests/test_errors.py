@@ -913,3 +913,366 @@ def test_kups_opt_out_of_traceback_filtering_keeps_jax_filtering():
     )
     num_kups, num_jax = map(int, result.stdout.split())
     assert num_kups >= 2 and num_jax == 0
+
+
+# ---------------------------------------------------------------------------
+# Context specs, reduce_ctx's axis names, and the fixes the messages suggest:
+# each suggested fix is applied as the message writes it, and must then run and
+# give the right values.
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["auto", "explicit"])
+def data_mesh(request):
+    kind = AxisType.Auto if request.param == "auto" else AxisType.Explicit
+    return jax.make_mesh((4, 2), ("data", "y"), axis_types=(kind,) * 2)
+
+
+def placed(mesh, value, spec):
+    """`value` on `mesh`'s devices with `spec`, as an Explicit mesh needs it eagerly."""
+    return jax.device_put(value, NamedSharding(mesh, spec))
+
+
+def user_per_shard(x, mesh):
+    body = jax.shard_map(jnp.sin, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    return body(x)  # <SM_DATA>
+
+
+def user_per_shard_partial(x, mesh):
+    body = jax.shard_map(
+        jnp.sin, mesh=mesh, in_specs=P("data"), out_specs=P("data"), axis_names={"data"}
+    )
+    return body(x)  # <SM_PARTIAL>
+
+
+def add_loss(interpreter, ctx, eqn, invals):
+    """ctx['loss'] += the shard's sum of sin(x): differs between the shards of `data`."""
+    out = jnp.sin(invals[0])
+    return HandlerResult(
+        {**ctx, "loss": ctx["loss"] + jnp.sum(out, dtype=ctx["loss"].dtype)}, [out]
+    )
+
+
+def add_shard_number(interpreter, ctx, eqn, invals):
+    """ctx['loss'] += the shard's number in mesh order: differs over `data` and `y`."""
+    number = lax.axis_index("data") * 2 + lax.axis_index("y")
+    return HandlerResult({**ctx, "loss": ctx["loss"] + number}, [jnp.sin(invals[0])])
+
+
+def add_one_to_each(interpreter, ctx, eqn, invals):
+    return HandlerResult(jax.tree.map(lambda v: v + 1, ctx), [jnp.sin(invals[0])])
+
+
+def run_with(mesh, sin, ctx, user=user_per_shard, **options):
+    interpreter = identity_with(
+        sin=sin, shard_map=functools.partial(default_shard_map_handler, **options)
+    )
+    x = placed(mesh, X, P("data"))
+    out, new_ctx = reinterpret(user, interpreter)(ctx, x, mesh)
+    np.testing.assert_allclose(out, jnp.sin(X), rtol=1e-6)
+    return new_ctx
+
+
+SHARD_SUMS = np.asarray(jnp.sin(X)).reshape(4, 2).sum(axis=1)  # one per shard of `data`
+OPTION = re.compile(
+    r"`(reduce_ctx|declare_ctx_in_specs|declare_ctx_out_specs)=(lambda ctx: [^`]*)`"
+)
+
+
+def suggested(message: str) -> list[tuple[str, object]]:
+    """Every option the message writes out as code, evaluated as the user would paste it."""
+    namespace = {"jax": jax, "PartitionSpec": P}
+    return [(name, eval(code, namespace)) for name, code in OPTION.findall(message)]
+
+
+def spec_error(mesh, ctx, sin=add_one_to_each, user=user_per_shard, marker="SM_DATA", **options):
+    return expect(ValueError, lambda: run_with(mesh, sin, ctx, user, **options), at(marker))
+
+
+def test_in_spec_longer_than_a_scalar_leaf(data_mesh):
+    message = spec_error(
+        data_mesh, {"count": jnp.int32(0)}, declare_ctx_in_specs=lambda ctx: P(("data",))
+    )
+    for fragment in ("declare_ctx_in_specs", "ctx['count']", "shape ()", "P('data',)", "scalar"):
+        assert fragment in message
+    # The fix it names: replicate it.
+    assert "`PartitionSpec()`" in message
+    ctx = run_with(
+        data_mesh, add_one_to_each, {"count": jnp.int32(0)}, declare_ctx_in_specs=lambda ctx: P()
+    )
+    assert int(ctx["count"]) == 1
+
+
+def test_in_and_out_specs_longer_than_a_scalar_leaf(data_mesh):
+    both = {
+        "declare_ctx_in_specs": lambda ctx: P(("data",)),
+        "declare_ctx_out_specs": lambda ctx: P(("data",)),
+    }
+    message = spec_error(data_mesh, {"count": jnp.int32(0)}, **both)
+    # The other fix it names: one entry per shard, the specs kept.
+    assert "shape (4,), one entry per shard, and keep this spec" in message
+    ctx = run_with(
+        data_mesh, add_one_to_each, {"count": placed(data_mesh, jnp.arange(4), P())}, **both
+    )
+    np.testing.assert_array_equal(ctx["count"], np.arange(4) + 1)
+
+
+def test_out_spec_longer_than_a_varying_scalar_leaf(data_mesh):
+    ctx = {"loss": jnp.float32(0)}
+    message = spec_error(
+        data_mesh, ctx, sin=add_loss, declare_ctx_out_specs=lambda ctx: P(("data",))
+    )
+    for fragment in ("declare_ctx_out_specs", "ctx['loss']", "per-shard shape ()", "scalar"):
+        assert fragment in message
+    (replicate_name, replicate), (keep_name, keep) = suggested(message)
+    assert replicate_name == keep_name == "reduce_ctx"
+    # Replicated: the spec PartitionSpec() and the suggested psum.
+    assert "`PartitionSpec()`" in message
+    out = run_with(
+        data_mesh, add_loss, ctx, declare_ctx_out_specs=lambda ctx: P(), reduce_ctx=replicate
+    )
+    np.testing.assert_allclose(out["loss"], SHARD_SUMS.sum(), rtol=1e-5)
+    # One value per shard: the suggested leading axis, the spec kept.
+    assert "shape (4,)" in message
+    out = run_with(
+        data_mesh, add_loss, ctx, declare_ctx_out_specs=lambda ctx: P(("data",)), reduce_ctx=keep
+    )
+    np.testing.assert_allclose(out["loss"], SHARD_SUMS, rtol=1e-5)
+
+
+def test_out_spec_longer_than_a_vector_leaf(data_mesh):
+    ctx = {"loss": jnp.zeros(2)}
+    message = spec_error(
+        data_mesh, ctx, sin=add_loss, declare_ctx_out_specs=lambda ctx: P("data", None)
+    )
+    assert "it has 1 dimension" in message and "Give it at most 1" in message
+    out = run_with(data_mesh, add_loss, ctx, declare_ctx_out_specs=lambda ctx: P("data"))
+    np.testing.assert_allclose(out["loss"], np.repeat(SHARD_SUMS, 2), rtol=1e-5)
+
+
+def test_spec_naming_an_axis_not_in_the_mesh(data_mesh):
+    ctx = {"count": jnp.zeros(8, jnp.int32)}
+    message = spec_error(
+        data_mesh,
+        ctx,
+        declare_ctx_in_specs=lambda ctx: P("dta"),
+        declare_ctx_out_specs=lambda ctx: P("dta"),
+    )
+    assert "'dta' is not an axis of the mesh (did you mean 'data'?)" in message
+    assert "('data', 'y')" in message and "shape (8,)" in message
+    fixed = {
+        "declare_ctx_in_specs": lambda ctx: P("data"),
+        "declare_ctx_out_specs": lambda ctx: P("data"),
+    }
+    out = run_with(
+        data_mesh, add_one_to_each, {"count": placed(data_mesh, ctx["count"], P())}, **fixed
+    )
+    np.testing.assert_array_equal(out["count"], np.ones(8))
+
+
+def test_spec_naming_an_axis_that_is_not_manual(data_mesh):
+    ctx = {"count": jnp.zeros(2, jnp.int32)}
+    message = spec_error(
+        data_mesh,
+        ctx,
+        user=user_per_shard_partial,
+        marker="SM_PARTIAL",
+        declare_ctx_in_specs=lambda ctx: P("y"),
+    )
+    assert "mesh axis 'y' is not a manual axis of this shard_map" in message
+    assert "('data',)" in message and "leave 'y' out" in message
+    out = run_with(
+        data_mesh,
+        add_one_to_each,
+        ctx,
+        user=user_per_shard_partial,
+        declare_ctx_in_specs=lambda ctx: P(),
+    )
+    np.testing.assert_array_equal(out["count"], np.ones(2))
+
+
+def test_spec_using_an_axis_twice(data_mesh):
+    ctx = {"count": jnp.zeros((4, 4), jnp.int32)}
+    both = {
+        "declare_ctx_in_specs": lambda ctx: P("data", "data"),
+        "declare_ctx_out_specs": lambda ctx: P("data", "data"),
+    }
+    message = spec_error(data_mesh, ctx, **both)
+    assert "mesh axis 'data' is used more than once" in message
+    assert "name it in one entry only" in message
+    once = {
+        "declare_ctx_in_specs": lambda ctx: P("data", None),
+        "declare_ctx_out_specs": lambda ctx: P("data", None),
+    }
+    out = run_with(
+        data_mesh, add_one_to_each, {"count": placed(data_mesh, ctx["count"], P())}, **once
+    )
+    np.testing.assert_array_equal(out["count"], np.ones((4, 4)))
+
+
+def test_in_spec_that_does_not_divide_the_leaf(data_mesh):
+    both = {
+        "declare_ctx_in_specs": lambda ctx: P("data"),
+        "declare_ctx_out_specs": lambda ctx: P("data"),
+    }
+    message = spec_error(data_mesh, {"count": jnp.zeros(6, jnp.int32)}, **both)
+    assert "dimension 0 has size 6" in message and "4 shards of mesh axes ('data',)" in message
+    # Fix one: pad to a multiple of 4.
+    assert "multiple of 4" in message
+    padded = placed(data_mesh, jnp.zeros(8, jnp.int32), P())
+    out = run_with(data_mesh, add_one_to_each, {"count": padded}, **both)
+    np.testing.assert_array_equal(out["count"], np.ones(8))
+    # Fix two: replicate it.
+    assert "replicate the leaf with `PartitionSpec()`" in message
+    out = run_with(
+        data_mesh,
+        add_one_to_each,
+        {"count": jnp.zeros(6, jnp.int32)},
+        declare_ctx_in_specs=lambda ctx: P(),
+    )
+    np.testing.assert_array_equal(out["count"], np.ones(6))
+
+
+def test_out_spec_need_not_divide_the_leaf(data_mesh):
+    # Leaving, the shards' leaves are concatenated: any per-shard size fits.
+    out = run_with(
+        data_mesh,
+        add_one_to_each,
+        {"count": jnp.zeros(3, jnp.int32)},
+        declare_ctx_out_specs=lambda ctx: P("data"),
+    )
+    np.testing.assert_array_equal(out["count"], np.ones(12))
+
+
+def replication_error(mesh, ctx, sin=add_loss, **options):
+    message = expect(
+        ValueError,
+        lambda: run_with(mesh, sin, ctx, **options),
+        at("SM_DATA"),
+        "differs between the shards",
+        "ctx['loss']",
+    )
+    return message, suggested(message)
+
+
+@pytest.mark.parametrize("others", [False, True], ids=["alone", "with_other_leaves"])
+def test_varying_scalar_suggestions_work(data_mesh, others):
+    ctx = {"loss": jnp.float32(0), **({"steps": jnp.int32(0), "name": "run"} if others else {})}
+    message, options = replication_error(data_mesh, ctx)
+    assert "a scalar has no dimension to shard" in message and "shape (4,)" in message
+    assert [name for name, _ in options] == ["reduce_ctx", "reduce_ctx", "declare_ctx_out_specs"]
+    (_, reduce), *keep = options
+    out = run_with(data_mesh, add_loss, ctx, reduce_ctx=reduce)
+    np.testing.assert_allclose(out["loss"], SHARD_SUMS.sum(), rtol=1e-5)
+    out_kept = run_with(data_mesh, add_loss, ctx, **dict(keep))
+    np.testing.assert_allclose(out_kept["loss"], SHARD_SUMS, rtol=1e-5)
+    if others:  # the other leaves untouched by either fix
+        assert int(out["steps"]) == int(out_kept["steps"]) == 0
+        assert out["name"] == out_kept["name"] == "run"
+
+
+def test_scalar_varying_over_two_axes_suggestions_work(data_mesh):
+    ctx = {"loss": jnp.int32(0)}
+    message, options = replication_error(data_mesh, ctx, sin=add_shard_number)
+    assert "('data', 'y')" in message and "shape (8,), entry i from shard i" in message
+    (_, reduce), *keep = options
+    out = run_with(data_mesh, add_shard_number, ctx, reduce_ctx=reduce)
+    assert int(out["loss"]) == sum(range(8))
+    out = run_with(data_mesh, add_shard_number, ctx, **dict(keep))
+    np.testing.assert_array_equal(out["loss"], np.arange(8))
+
+
+@pytest.mark.parametrize("others", [False, True], ids=["alone", "with_other_leaves"])
+def test_varying_vector_suggestions_work(data_mesh, others):
+    ctx = {"loss": jnp.zeros(2), **({"steps": jnp.int32(0)} if others else {})}
+    message, options = replication_error(data_mesh, ctx)
+    assert "concatenated along dimension 0" in message
+    assert [name for name, _ in options] == ["reduce_ctx", "declare_ctx_out_specs"]
+    (_, reduce), (_, declare) = options
+    out = run_with(data_mesh, add_loss, ctx, reduce_ctx=reduce)
+    np.testing.assert_allclose(out["loss"], [SHARD_SUMS.sum()] * 2, rtol=1e-5)
+    out = run_with(data_mesh, add_loss, ctx, declare_ctx_out_specs=declare)
+    np.testing.assert_allclose(out["loss"], np.repeat(SHARD_SUMS, 2), rtol=1e-5)
+    if others:
+        assert int(out["steps"]) == 0
+
+
+@pytest.mark.parametrize(
+    "collective, cause",
+    [
+        (lambda v: lax.psum(v, "dta"), AssertionError),
+        (lambda v: lax.pmax(v, ("data", "dta")), AssertionError),
+        (lambda v: lax.all_gather(v, "dta"), NameError),
+        (lambda v: v + lax.axis_index("dta"), NameError),
+    ],
+    ids=["psum", "pmax_two_axes", "all_gather", "axis_index"],
+)
+@pytest.mark.parametrize("under_jit", [False, True])
+def test_reduce_ctx_with_a_misspelled_axis(data_mesh, collective, cause, under_jit):
+    interpreter = shard_map_with(reduce_ctx=lambda ctx: jax.tree.map(collective, ctx))
+    wrapped = reinterpret(user_per_shard, interpreter)
+    call = jax.jit(wrapped, static_argnums=2) if under_jit else wrapped
+    x = placed(data_mesh, X, P("data"))
+    with pytest.raises(ValueError, match=r"reduce_ctx for the shard_map .*'dta'") as info:
+        call(jnp.float32(0), x, data_mesh)
+    message = str(info.value)
+    assert at("SM_DATA") in message
+    assert "(did you mean 'data'?)" in message and "not a manual axis here" in message
+    assert "('data', 'y') of this shard_map" in message and "enclosing" not in message
+    causes = []  # JAX's own error is chained (behind JAX's note on where the op was traced)
+    error = info.value.__cause__
+    while error is not None:
+        causes.append(error)
+        error = error.__cause__
+    assert any(type(error) is cause for error in causes), causes
+    # The name it suggests works.
+    fixed = shard_map_with(reduce_ctx=lambda ctx: jax.tree.map(lambda v: lax.psum(v, "data"), ctx))
+    out, count = reinterpret(user_per_shard, fixed)(jnp.float32(0), x, data_mesh)
+    np.testing.assert_allclose(out, jnp.sin(X), rtol=1e-6)
+    assert float(count) == 4.0  # one sin per shard, summed over the 4 shards of data
+
+
+def user_nested_shard_maps(x, mesh):
+    def outer(block):
+        inner = jax.shard_map(jnp.sin, in_specs=P(), out_specs=P(), axis_names={"y"})
+        return inner(block)  # <SM_INNER>
+
+    return jax.shard_map(
+        outer, mesh=mesh, in_specs=P("data"), out_specs=P("data"), axis_names={"data"}
+    )(x)
+
+
+def test_reduce_ctx_misspelled_axis_lists_the_enclosing_manual_axes(data_mesh):
+    typo = shard_map_with(reduce_ctx=lambda ctx: jax.tree.map(lambda v: lax.psum(v, "yy"), ctx))
+    x = placed(data_mesh, X, P("data"))
+    expect(
+        ValueError,
+        lambda: reinterpret(user_nested_shard_maps, typo)(jnp.float32(0), x, data_mesh),
+        at("SM_INNER"),
+        "'yy' (did you mean 'y'?)",
+        "('y',) of this shard_map and ('data',) of the enclosing shard_maps",
+    )
+
+
+@pytest.mark.parametrize(
+    "reduce, error, text",
+    [
+        (
+            lambda ctx: (_ for _ in ()).throw(AssertionError("the user's own")),
+            AssertionError,
+            "the user's own",
+        ),
+        (lambda ctx: undefined_name, NameError, "undefined_name"),  # noqa: F821
+        (
+            lambda ctx: jax.tree.map(lambda v: lax.all_gather(v, "x", axis=3), ctx),
+            ValueError,
+            "out of bounds",
+        ),
+    ],
+    ids=["assertion", "name_error", "value_error"],
+)
+def test_reduce_ctx_other_errors_pass_through_unchanged(mesh, reduce, error, text):
+    interpreter = shard_map_with(reduce_ctx=reduce)
+    with pytest.raises(error, match=text) as info:
+        reinterpret(user_shard_map, interpreter)(jnp.float32(0), X, mesh)
+    assert "not a manual axis" not in str(info.value)

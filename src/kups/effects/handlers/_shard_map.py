@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import difflib
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -66,6 +70,154 @@ def _spec_axes(spec: PartitionSpec) -> frozenset[Any]:
     return frozenset(axes)
 
 
+def _in_mesh_order(mesh: Any, axes: Any) -> tuple[Any, ...]:
+    return tuple(name for name in mesh.axis_names if name in axes)
+
+
+def _did_you_mean(name: Any, candidates: Sequence[Any]) -> str:
+    if not isinstance(name, str):
+        return ""
+    close = difflib.get_close_matches(name, [str(c) for c in candidates], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _for_leaf(spec: CtxSpec, path: Any, expr: str, others: str) -> str:
+    """Code mapping `ctx` to `expr` (of `v`) at `path` and to `others` elsewhere:
+    `jax.tree.map` when the context is that one leaf."""
+    if spec.treedef.num_leaves == 1:
+        return f"jax.tree.map(lambda v: {expr}, ctx)"
+    return (
+        f"jax.tree_util.tree_map_with_path(lambda path, v: {expr} if "
+        f"jax.tree_util.keystr(path) == {keystr(path)!r} else {others}, ctx)"
+    )
+
+
+def _check_specs(
+    eqn: JaxprEqn,
+    what: str,
+    spec: CtxSpec,
+    specs: list[PartitionSpec],
+    mesh: Any,
+    manual_axes: frozenset[Any],
+    *,
+    entering: bool,
+) -> None:
+    """Each context leaf's spec fits the leaf and the mesh, checked before JAX sees
+    it (JAX's own failures are an `IndexError` in lowering, a `KeyError`, or a leaf
+    silently cut short).
+
+    Entering, `aval` is the global leaf, split into equal blocks: each sharded
+    dimension must divide by its axes' sizes. Leaving, `aval` is one shard's leaf,
+    and the shards' leaves are concatenated along the sharded dimensions, so any
+    size fits."""
+    value_paths = [p for p, m in zip(spec.paths, spec.value_mask, strict=True) if m]
+    manual = _in_mesh_order(mesh, manual_axes)
+    for path, aval, pspec in zip(value_paths, spec.avals, specs, strict=True):
+        problem = _names_problem(pspec, mesh, manual) or (
+            _rank_problem(pspec, aval, mesh, manual_axes, spec, path, entering=entering)
+        )
+        if problem is None and entering:
+            problem = _divisibility_problem(pspec, tuple(aval.shape), mesh)
+        if problem is not None:
+            shape = f"{'' if entering else 'per-shard '}shape {tuple(aval.shape)}"
+            raise ValueError(
+                f"{what} for the shard_map ({where(eqn)}) gave context leaf "
+                f"ctx{keystr(path)} ({shape}, {aval.dtype}) the spec {pspec}: {problem}"
+            )
+
+
+def _names_problem(pspec: PartitionSpec, mesh: Any, manual: tuple[Any, ...]) -> str | None:
+    """What is wrong with the axis names of `pspec`, and the fix; `None` if nothing."""
+    seen: set[Any] = set()
+    for entry in pspec:
+        for name in () if entry is None else _entry_axes(entry):
+            if name not in mesh.axis_names:
+                return (
+                    f"{name!r} is not an axis of the mesh{_did_you_mean(name, mesh.axis_names)}"
+                    f"; the mesh's axes are {tuple(mesh.axis_names)}, and of them this "
+                    f"shard_map makes {manual} manual. Name only those."
+                )
+            if name not in manual:
+                return (
+                    f"mesh axis {name!r} is not a manual axis of this shard_map (its manual "
+                    f"axes are {manual}, the axis_names of jax.shard_map), and a context "
+                    f"spec can name only those: leave {name!r} out."
+                )
+            if name in seen:
+                return (
+                    f"mesh axis {name!r} is used more than once, but a mesh axis can shard "
+                    f"only one dimension: name it in one entry only."
+                )
+            seen.add(name)
+    return None
+
+
+def _rank_problem(
+    pspec: PartitionSpec,
+    aval: Any,
+    mesh: Any,
+    manual_axes: frozenset[Any],
+    spec: CtxSpec,
+    path: Any,
+    *,
+    entering: bool,
+) -> str | None:
+    rank = aval.ndim
+    if len(pspec) <= rank:
+        return None
+    entries = f"{len(pspec)} entr{'y' if len(pspec) == 1 else 'ies'}"
+    dims = {0: "it is a scalar", 1: "it has 1 dimension"}.get(rank, f"it has {rank} dimensions")
+    problem = (
+        f"the spec has {entries} but {dims}, and a PartitionSpec has one entry at most "
+        f"per dimension."
+    )
+    replicate = "replicate it with the spec `PartitionSpec()`"
+    varying = _in_mesh_order(mesh, _compat.varying_axes(aval) & manual_axes)
+    if not entering and varying:
+        reduce = _for_leaf(spec, path, f"jax.lax.psum(v, {varying!r})", "v")
+        replicate += (
+            f", reduced across the shards of {varying} that it differs between, with "
+            f"`reduce_ctx=lambda ctx: {reduce}`"
+        )
+    if rank > 0:
+        return f"{problem} Give it at most {rank}, or {replicate}."
+    shape = tuple(
+        1 if entry is None else math.prod(mesh.shape[name] for name in _entry_axes(entry))
+        for entry in pspec
+    )
+    if entering:
+        return (
+            f"{problem} Either {replicate}, or pass the leaf as an array of shape {shape}, "
+            f"one entry per shard, and keep this spec."
+        )
+    index = ", ".join(["None"] * len(pspec))
+    return (
+        f"{problem} Either {replicate}; or keep one value per shard: give it "
+        f"{'a leading axis' if len(pspec) == 1 else 'leading axes'} in reduce_ctx, with "
+        f"`reduce_ctx=lambda ctx: {_for_leaf(spec, path, f'v[{index}]', 'v')}`, and keep "
+        f"this spec; it then leaves with shape {shape}."
+    )
+
+
+def _entry_axes(entry: Any) -> tuple[Any, ...]:
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def _divisibility_problem(pspec: PartitionSpec, shape: tuple[int, ...], mesh: Any) -> str | None:
+    for dim, entry in enumerate(pspec):
+        if entry is None:
+            continue
+        names = _entry_axes(entry)
+        num_shards = math.prod(mesh.shape[name] for name in names)
+        if shape[dim] % num_shards:
+            return (
+                f"dimension {dim} has size {shape[dim]}, which the {num_shards} shards of "
+                f"mesh axes {names} do not divide evenly. Make it a multiple of "
+                f"{num_shards} (pad the leaf), or replicate the leaf with `PartitionSpec()`."
+            )
+    return None
+
+
 def default_shard_map_handler(
     interpreter: Any,
     ctx: Any,
@@ -111,6 +263,7 @@ def default_shard_map_handler(
         spec,
         ctx,
     )
+    _check_specs(eqn, "declare_ctx_in_specs", spec, in_specs, mesh, manual_axes, entering=True)
     shard_ctx_avals = [
         _compat.shard_aval(mesh, manual_axes, check_vma, s, a)
         for s, a in zip(in_specs, spec.avals, strict=True)
@@ -123,7 +276,11 @@ def default_shard_map_handler(
     def body_fn(ctx: Any, *args: Any) -> tuple[list[Any], Any]:
         outs, new_ctx = interpret(ctx, *args)
         if reduce_ctx is not None:
-            reduced = reduce_ctx(new_ctx)
+            try:
+                reduced = reduce_ctx(new_ctx)
+            except (AssertionError, NameError, ValueError) as err:
+                _raise_if_unbound_axis(eqn, err, manual_axes, mesh)
+                raise
             if jax.tree.structure(reduced) != jax.tree.structure(new_ctx):
                 raise ValueError(
                     f"reduce_ctx for the shard_map ({where(eqn)}) changed the context's "
@@ -153,8 +310,11 @@ def default_shard_map_handler(
         out_spec,
         None,
     )
+    _check_specs(
+        eqn, "declare_ctx_out_specs", out_spec, out_specs, mesh, manual_axes, entering=False
+    )
     if check_vma:
-        _check_replication(eqn, out_spec, out_specs, manual_axes, reduce_ctx is not None)
+        _check_replication(eqn, out_spec, out_specs, mesh, manual_axes, reduce_ctx is not None)
 
     const_specs = tuple(PartitionSpec() for _ in body.consts)
     all_in_specs = (*const_specs, *in_specs, *params["in_specs"])
@@ -236,10 +396,69 @@ def _contains_shard_map(jaxpr: Any) -> bool:
     )
 
 
+_JAX_DIR = os.path.dirname(jax.__file__) + os.sep
+# Where a collective of JAX 0.10.2 to 0.12 keeps the axis names it was given, in
+# the frames of the error it raises for an unbound one.
+_AXIS_NAME_LOCALS = ("axis_name", "axis_names", "axes")
+_UNBOUND_AXIS = re.compile(r"unbound axis name: (\S+?)\.?(?:\s|$)")
+
+
+def _axis_names_in(err: BaseException) -> list[str]:
+    """The axis names JAX was handling when it raised `err`: the collective's
+    arguments in JAX's own frames, and the name in an 'unbound axis name' message."""
+    names: list[Any] = []
+    tb = err.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename.startswith(_JAX_DIR):
+            for local in _AXIS_NAME_LOCALS:
+                value = frame.f_locals.get(local)
+                names.extend(value if isinstance(value, (tuple, list)) else (value,))
+        tb = tb.tb_next
+    names.extend(_UNBOUND_AXIS.findall(str(err)))
+    return list(dict.fromkeys(name for name in names if isinstance(name, str)))
+
+
+def _is_bound(name: str) -> bool:
+    """Whether collectives may name `name` here (a manual mesh axis, or the
+    `axis_name` of an enclosing `vmap`)."""
+    try:
+        jax.lax.axis_size(name)
+    except NameError:
+        return False
+    return True
+
+
+def _raise_if_unbound_axis(
+    eqn: JaxprEqn, err: BaseException, manual_axes: frozenset[Any], mesh: Any
+) -> None:
+    """Re-raises an error of a collective in `reduce_ctx` that was given an axis name
+    that is not manual here as a `ValueError` that names it. JAX's own error is a
+    bare `AssertionError` (psum, pmax, ppermute, pcast), a `NameError` (all_gather,
+    axis_index) or, for a name mixed with valid ones, a `ValueError`, on JAX 0.10.2
+    and 0.12. Any other error is left alone: the caller re-raises it."""
+    unbound = [name for name in _axis_names_in(err) if not _is_bound(name)]
+    if not unbound:
+        return
+    bound = jax.sharding.get_abstract_mesh().manual_axes
+    own = _in_mesh_order(mesh, manual_axes)
+    enclosing = tuple(name for name in bound if name not in manual_axes)
+    listed = f"{own} of this shard_map" + (
+        f" and {enclosing} of the enclosing shard_maps" if enclosing else ""
+    )
+    raise ValueError(
+        f"reduce_ctx for the shard_map ({where(eqn)}) used the axis name "
+        f"{unbound[0]!r}{_did_you_mean(unbound[0], bound)}, which is not a manual axis "
+        f"here. The manual axes here are {listed}; name only those in reduce_ctx's "
+        f"collectives (psum, pmax, all_gather, axis_index, ...)."
+    ) from err
+
+
 def _check_replication(
     eqn: JaxprEqn,
     out_spec: CtxSpec,
     out_specs: list[PartitionSpec],
+    mesh: Any,
     manual_axes: frozenset[Any],
     has_reduce: bool,
 ) -> None:
@@ -248,7 +467,7 @@ def _check_replication(
         varying = _compat.varying_axes(aval) & manual_axes
         unmentioned = varying - _spec_axes(pspec)
         if unmentioned:
-            axes = tuple(sorted(unmentioned, key=str))
+            axes = _in_mesh_order(mesh, unmentioned)
             hint = (
                 "reduce_ctx returned it still varying" if has_reduce else "no reduce_ctx was given"
             )
@@ -256,9 +475,42 @@ def _check_replication(
                 f"Context leaf ctx{keystr(path)} ({aval.str_short()}) differs between the "
                 f"shards of mesh axes {axes} when it leaves the shard_map ({where(eqn)}), "
                 f"but its out-spec {pspec} says it is replicated over them ({hint}). "
-                f"Reduce it across the shards in reduce_ctx (for example "
-                f"reduce_ctx=lambda ctx: jax.tree.map(lambda v: jax.lax.psum(v, {axes!r}), "
-                f"ctx)), or declare it sharded with declare_ctx_out_specs (for example "
-                f"PartitionSpec({axes!r})), via functools.partial(default_shard_map_handler, "
-                f"...)."
+                + _replication_fixes(out_spec, path, aval, mesh, axes, varying)
             )
+
+
+def _replication_fixes(
+    out_spec: CtxSpec,
+    path: Any,
+    aval: Any,
+    mesh: Any,
+    axes: tuple[Any, ...],
+    varying: frozenset[Any],
+) -> str:
+    """The two ways out for a leaf that varies over `axes`, as the options to give
+    `functools.partial(default_shard_map_handler, ...)`. Written for this leaf alone
+    when the context has others: a `psum` of a replicated leaf would multiply it by
+    the number of shards."""
+    reduce = _for_leaf(out_spec, path, f"jax.lax.psum(v, {axes!r})", "v")
+    sharded_axes = _in_mesh_order(mesh, varying)
+    specs = _for_leaf(out_spec, path, f"PartitionSpec({sharded_axes!r})", "PartitionSpec()")
+    num_shards = math.prod(mesh.shape[name] for name in sharded_axes)
+    if aval.ndim == 0:
+        keep = (
+            f"or keep one value per shard: a scalar has no dimension to shard, so give it "
+            f"a leading axis in reduce_ctx and shard that, with "
+            f"`reduce_ctx=lambda ctx: {_for_leaf(out_spec, path, 'v[None]', 'v')}` and "
+            f"`declare_ctx_out_specs=lambda ctx: {specs}`; it then leaves with shape "
+            f"({num_shards},), entry i from shard i"
+        )
+    else:
+        keep = (
+            f"or keep one value per shard: declare it sharded, with "
+            f"`declare_ctx_out_specs=lambda ctx: {specs}`; the shards' values are then "
+            f"concatenated along dimension 0"
+        )
+    return (
+        f"Reduce it across the shards in reduce_ctx, for example with "
+        f"`reduce_ctx=lambda ctx: {reduce}`; {keep}. Pass these options with "
+        f"functools.partial(default_shard_map_handler, ...)."
+    )
