@@ -39,3 +39,31 @@ def library_call(fn: Callable[..., Any], *args: Any) -> list[Any]:
     not close over traced values."""
     closed = jax.make_jaxpr(fn)(*args)
     return library_call_p.bind(*args, program=(closed,))
+
+
+# A primitive that holds a Python function rather than a jaxpr (as lineax's
+# `linear_solve` does with an operator function that closes over nothing):
+# it traces the function for its output types and runs it for its values, so
+# kups finds no sub-program in its params.
+library_fn_call_p = Primitive("library_fn_call")
+library_fn_call_p.multiple_results = True
+
+
+def _fn_impl(*args: Any, fn: Callable[..., Any]) -> list[Any]:
+    return list(fn(*args))
+
+
+def _fn_abstract_eval(*avals: Any, fn: Callable[..., Any]) -> list[Any]:
+    shapes = jax.eval_shape(fn, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
+    return [jax.core.ShapedArray(s.shape, s.dtype) for s in shapes]
+
+
+library_fn_call_p.def_impl(_fn_impl)
+library_fn_call_p.def_abstract_eval(_fn_abstract_eval)
+mlir.register_lowering(library_fn_call_p, mlir.lower_fun(_fn_impl, multiple_results=True))
+
+
+def library_fn_call(fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """`fn(*args)` (a list of its outputs) through a primitive that holds `fn`
+    itself: `fn` returns a tuple of arrays and must not close over traced values."""
+    return library_fn_call_p.bind(*args, fn=fn)

@@ -1094,6 +1094,21 @@ def test_no_kinds_checks_nothing():
     assert checked(f, errors={"user"})(-jnp.ones(3), 7)[1].message == "x[0] is -1.0"
 
 
+def test_a_check_in_a_function_a_library_primitive_holds_is_not_lost_silently():
+    from kups.effects import InterpreterPolicy
+    from library_primitive import library_fn_call
+
+    def f(x):
+        (y,) = library_fn_call(lambda v: (check(v > 0, "held") or v * 2,), x)
+        return y
+
+    for wrapped in (checked(f), jax.jit(checked(f))):
+        with pytest.raises(NotImplementedError, match=r"'check'.*'library_fn_call'.*checked\(fn"):
+            wrapped(jnp.float32(1.0))
+    out, error = jax.jit(checked(f, policy=InterpreterPolicy.IGNORE))(jnp.float32(-1.0))
+    assert out == -2.0 and error.get() is None
+
+
 def test_policy_for_a_library_primitive_hiding_a_check():
     from kups.effects import InterpreterPolicy
     from library_primitive import library_call

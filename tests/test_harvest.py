@@ -6,6 +6,7 @@ Expected values come from plain JAX (the same program without harvest, or a
 scan's own stacked outputs) or are computed by hand; never from kups itself.
 """
 
+import functools
 import re
 import textwrap
 import warnings
@@ -20,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from kups.effects import InterpreterPolicy
 from kups.harvest import MODES, harvest, nest, plant, reap, sow
-from library_primitive import library_call
+from library_primitive import library_call, library_fn_call
 
 XS = jnp.array([0.5, -1.0, 2.0, 0.25, 1.5], jnp.float32)
 
@@ -1737,6 +1738,67 @@ def test_a_sow_in_opaque_control_flow_is_not_reaped(policy):
     assert_tree_close((jit_out, jit_reaped), (out, reaped))
     messages = [str(w.message) for w in caught if "'library_call'" in str(w.message)]
     assert bool(messages) == (policy is WARN)
+
+
+# `library_fn_call` holds a Python function, not a jaxpr: kups cannot see into it.
+# A sow bound when it runs (eagerly), is traced or is compiled (under jit) is not
+# lost silently.
+
+
+def sows_in_a_held_function(x):
+    def held(a):
+        return (sow(jnp.sin(a), tag="t", name="held") * 2.0,)
+
+    y = sow(x + 1.0, tag="t", name="seen")
+    return library_fn_call(held, y)[0]
+
+
+@pytest.mark.parametrize(
+    "wrapper, caller",
+    [
+        (lambda f: reap(f, tag="t"), "reap"),
+        (lambda f: jax.jit(reap(f, tag="t")), "reap"),
+        (lambda f: reap(jax.jit(f), tag="t"), "reap"),
+        (lambda f: functools.partial(plant(f, tag="t"), {"held": 1.0}), "plant"),
+        (lambda f: jax.jit(functools.partial(harvest(f, tag="t"), {})), "harvest"),
+    ],
+    ids=["reap", "jit-reap", "reap-jit", "plant", "jit-harvest"],
+)
+def test_a_sow_in_a_function_a_library_primitive_holds_is_not_lost_silently(wrapper, caller):
+    with raises(
+        NotImplementedError,
+        "'sow'",
+        "'library_fn_call'",
+        "would be lost",
+        f"policy=InterpreterPolicy.IGNORE to {caller}(fn, policy=...)",
+    ):
+        wrapper(sows_in_a_held_function)(jnp.float32(0.5))
+
+
+@pytest.mark.parametrize("policy", [IGNORE, WARN])
+def test_ignore_or_warn_runs_a_library_primitive_holding_a_sow(policy):
+    x = jnp.float32(0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, reaped = jax.jit(reap(sows_in_a_held_function, tag="t", policy=policy))(x)
+    assert_tree_close(out, hiding_a_sow_plainly(x))
+    assert_tree_close(reaped, {"seen": x + 1.0})
+    lost = [w for w in caught if "would be lost" in str(w.message)]
+    assert bool(lost) == (policy is WARN)
+
+
+def test_a_library_primitive_holding_sows_of_another_tag_runs():
+    x = jnp.float32(0.5)
+    for wrapped in (
+        reap(sows_in_a_held_function, tag="u"),
+        jax.jit(reap(sows_in_a_held_function, tag="u")),
+    ):
+        out, reaped = wrapped(x)
+        assert_tree_close(out, hiding_a_sow_plainly(x))
+        assert reaped == {}
+    # Left out by the blocklist, the held sow is not one reap would take.
+    out, reaped = reap(sows_in_a_held_function, tag="t", blocklist=["held"])(x)
+    assert_tree_close(reaped, {"seen": x + 1.0})
 
 
 def test_ignore_reaps_around_opaque_calls_in_scan_and_while():

@@ -596,7 +596,14 @@ class _Reaper:
             dispatcher, policy=policy, label=f"kups.harvest.{caller}({self.selection})"
         )
         interpreter._policy_caller = f"{caller}(fn, policy=...)"
+        interpreter._acts_on = self.acts_on
         return interpreter
+
+    def acts_on(self, effect: Any, params: dict[str, Any]) -> bool:
+        """Whether a sow bound with `params` is one this call reaps."""
+        return effect is not _sow_p or (
+            params["tag"] == self.tag and self.selection.takes((*params["scope"], params["name"]))
+        )
 
     def result(self, ctx: _Reaped) -> dict[str, Any]:
         """The reaped values as nested dicts (a scope is a dict of its names)."""
@@ -917,7 +924,14 @@ class _Planter:
             dispatcher, policy=policy, label=f"kups.harvest.{caller}({self.selection})"
         )
         interpreter._policy_caller = f"{caller}(fn, policy=...)"
+        interpreter._acts_on = self.acts_on
         return interpreter
+
+    def acts_on(self, effect: Any, params: dict[str, Any]) -> bool:
+        """Whether a sow bound with `params` is one this call may plant into."""
+        return effect is not _sow_p or (
+            params["tag"] == self.tag and self.selection.takes((*params["scope"], params["name"]))
+        )
 
     def check_all_used(self, caller: str, values: Mapping[str, Any]) -> None:
         unused = sorted(_unused(values, self.seen))

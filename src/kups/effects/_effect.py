@@ -1,6 +1,8 @@
 """Effect primitives: identities that JAX keeps so that interpreters can see them."""
 
-from collections.abc import Hashable, Sequence
+import contextlib
+import threading
+from collections.abc import Hashable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -30,6 +32,39 @@ class KupsEffect(Effect):
 _compat.register_effect_type(KupsEffect)
 
 
+# The names of every effect primitive made so far (see `UNSEEN`).
+EFFECT_NAMES: set[str] = set()
+
+
+class LostEffectError(NotImplementedError):
+    """An effect that an interpreter handles was bound where it cannot see it."""
+
+
+class _Unseen(threading.local):
+    def __init__(self) -> None:
+        # The innermost (interpreter, equation) whose primitive an interpreter is
+        # binding unchanged, or None outside one (and inside a nested interpretation).
+        self.top: tuple[Any, Any] | None = None
+
+
+# While an interpreter binds an equation unchanged, `UNSEEN.top` is (interpreter,
+# equation): an effect that the interpreter handles and that is bound meanwhile (by
+# Python code the primitive holds, such as a library primitive's function that it
+# traces or runs) is one the interpreter never sees, and `lost_effect` says so.
+UNSEEN = _Unseen()
+
+
+@contextlib.contextmanager
+def seen() -> Iterator[None]:
+    """Inside an interpretation, effects are seen by its interpreter (a nested
+    interpretation started by code that a re-bound primitive runs)."""
+    previous, UNSEEN.top = UNSEEN.top, None
+    try:
+        yield
+    finally:
+        UNSEEN.top = previous
+
+
 class EffectPrimitive(Primitive):
     """A primitive made by `define_effect`; see there."""
 
@@ -38,6 +73,7 @@ class EffectPrimitive(Primitive):
     def __init__(self, name: str):
         super().__init__(name)
         self.effect = KupsEffect(name)
+        EFFECT_NAMES.add(name)
 
     def __repr__(self) -> str:
         # Two effects may share a name; the id tells them apart in messages.
@@ -55,6 +91,9 @@ class EffectPrimitive(Primitive):
                     "tuple instead of a list, a frozenset instead of a set); "
                     "pass arrays as positional arguments instead."
                 ) from None
+        unseen = UNSEEN.top
+        if unseen is not None and unseen[0].dispatcher.is_registered(self):
+            unseen[0].lost_effect(self, unseen[1], params)
         return super().bind(*args, **params)
 
 

@@ -13,7 +13,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 from . import _compat
 from ._context import leaked_static_paths
 from ._dispatcher import Dispatcher
-from ._matching import contains_subjaxprs, is_control_flow
+from ._effect import EFFECT_NAMES, UNSEEN, LostEffectError, seen
+from ._matching import contains_subjaxprs, holds_functions, is_control_flow
 from ._traceback import api_boundary
 from ._types import InterpreterPolicy
 from ._untouched import Handled, handled_names, skipped_equations, touched_inside
@@ -48,6 +49,20 @@ def _plan(jaxpr: Jaxpr) -> list[tuple[JaxprEqn, bool, list[Any]]]:
     plan = [(eqn, is_control_flow(eqn), free) for eqn, free in zip(jaxpr.eqns, frees, strict=True)]
     _PLANS[jaxpr] = plan
     return plan
+
+
+# Per jaxpr, for each equation, whether it is a library primitive holding Python
+# functions (see `holds_functions`); computed for interpreters that handle effects.
+_HOLDERS: weakref.WeakKeyDictionary[Jaxpr, list[bool]] = weakref.WeakKeyDictionary()
+
+
+def _function_holders(jaxpr: Jaxpr) -> list[bool]:
+    holders = _HOLDERS.get(jaxpr)
+    if holders is None:
+        holders = _HOLDERS[jaxpr] = [
+            holds_functions(eqn, _compat.KNOWN_PARAMS) for eqn in jaxpr.eqns
+        ]
+    return holders
 
 
 def where(eqn: JaxprEqn) -> str:
@@ -107,6 +122,9 @@ class Interpreter:
         # How a user of an effect built on this interpreter chooses its policy
         # (e.g. "count_primitives(fn, policy=...)"), for error messages.
         self._policy_caller: str | None = None
+        # Which bindings of a handled effect this interpreter would act on (e.g. a
+        # sow of its tag), for `lost_effect`; None: all of them.
+        self._acts_on: Any = None
         self._body_cache: dict[Any, Any] = {}
         # The primitives that go to handlers of their own (None: any may), read
         # from the dispatcher at the start of each top-level call.
@@ -149,7 +167,8 @@ class Interpreter:
                 self.dispatcher._staged = True
         self._depth += 1
         try:
-            return self._run(jaxpr, consts, ctx, args)
+            with seen():
+                return self._run(jaxpr, consts, ctx, args)
         finally:
             self._depth -= 1
             if self._depth == 0:
@@ -170,6 +189,10 @@ class Interpreter:
         bind = _compat.bind_equation
         # Control flow that no handler touches is re-bound whole (see _untouched).
         skips = skipped_equations(jaxpr, self._handled)
+        # When this interpreter handles effects, an equation bound unchanged may run
+        # Python code that binds one unseen (a library primitive holding a function).
+        watch_effects = not EFFECT_NAMES.isdisjoint(handlers)
+        holders = _function_holders(jaxpr) if watch_effects else None
         # The abstract mesh in effect for the context's arrays (see _retyped), and
         # the one they were typed for before the first region changed it.
         start_mesh = ctx_mesh = _compat.current_mesh()
@@ -194,7 +217,7 @@ class Interpreter:
                 eqn.ctx.manager,
             ):
                 if skips is not None and skips[index]:
-                    outvals = bind(eqn.primitive, eqn.params, invals)
+                    outvals = self._bind_unchanged(eqn, invals, watch_effects)
                 elif handler is not None:
                     ctx_before = ctx
                     ctx, outvals = self._dispatch(handler, ctx, eqn, invals)
@@ -204,6 +227,10 @@ class Interpreter:
                     outvals = self._unhandled(eqn, invals)
                 elif fallback is not None:
                     ctx, outvals = self._dispatch(fallback, ctx, eqn, invals)
+                elif watch_effects:
+                    outvals = self._bind_unchanged(eqn, invals, watch_effects)
+                    if holders is not None and holders[index] and _compat.is_staging():
+                        self._probe(eqn)
                 else:
                     outvals = bind(eqn.primitive, eqn.params, invals)
             env.update(zip(eqn.outvars, outvals, strict=True))
@@ -216,6 +243,69 @@ class Interpreter:
         if ctx_mesh is not start_mesh and ctx_mesh != start_mesh:
             ctx = _retyped(ctx, start_mesh if not start_mesh.empty else home_mesh)
         return outs, ctx
+
+    def _bind_unchanged(self, eqn: JaxprEqn, invals: list[Any], watch_effects: bool) -> list[Any]:
+        if not watch_effects:
+            return _compat.bind_equation(eqn.primitive, eqn.params, invals)
+        previous, UNSEEN.top = UNSEEN.top, (self, eqn)
+        try:
+            return _compat.bind_equation(eqn.primitive, eqn.params, invals)
+        finally:
+            UNSEEN.top = previous
+
+    def _probe(self, eqn: JaxprEqn) -> None:
+        """Staged, a library primitive may run the Python functions it holds only
+        when compiled, long after this interpretation: lowers it once now, with
+        `lost_effect` watching for an effect this interpreter handles. A primitive
+        that cannot be lowered on its own here (a collective needing its
+        shard_map) is left as it is."""
+        avals: list[Any] = [v.aval for v in eqn.invars]
+        args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+
+        def bind(*values: Any) -> list[Any]:
+            return _compat.bind_equation(eqn.primitive, eqn.params, values)
+
+        previous, UNSEEN.top = UNSEEN.top, (self, eqn)
+        try:
+            jax.jit(bind).lower(*args)
+        except LostEffectError:
+            raise
+        except Exception:  # noqa: BLE001 - the probe is best effort; the program ran
+            pass
+        finally:
+            UNSEEN.top = previous
+
+    def lost_effect(self, effect: Any, eqn: JaxprEqn, params: dict[str, Any]) -> None:
+        """Called when the effect primitive `effect`, which this interpreter
+        handles, is bound with `params` while `eqn` is bound unchanged (by Python
+        code that the equation's primitive runs, out of the interpreter's sight):
+        by the policy, raises, warns or lets it go."""
+        if self.policy is InterpreterPolicy.IGNORE:
+            return
+        if self._acts_on is not None and not self._acts_on(effect, params):
+            return
+        name = effect.name.removeprefix("kups_")
+        caller = self._policy_caller
+        if caller is not None:
+            way_out = (
+                f"Pass policy=InterpreterPolicy.IGNORE to {caller} to run it anyway, "
+                f"without that {name} (InterpreterPolicy.WARN: warned each time)"
+            )
+        else:
+            way_out = (
+                "Build the Interpreter with policy=InterpreterPolicy.IGNORE to run it "
+                f"anyway, without that {name} (WARN: warned each time)"
+            )
+        message = (
+            f"{self.label or 'kups'}: the effect {name!r} was bound by code that "
+            f"the {where(eqn)} runs, and kups runs that primitive unchanged: it holds "
+            f"Python functions rather than jaxprs, so kups cannot see into it, and the "
+            f"{name} would be lost. {way_out}; or move the {name} out of "
+            f"the function that {eqn.primitive.name!r} calls."
+        )
+        if self.policy is InterpreterPolicy.RAISE:
+            raise LostEffectError(message)
+        warnings.warn(message, stacklevel=3)
 
     def _dispatch(
         self, handler: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,3 +97,34 @@ def contains_subjaxprs(ctx: Any, eqn: JaxprEqn, invals: list[Any]) -> bool:
     """
     del ctx, invals
     return is_control_flow(eqn)
+
+
+_FUNCTION_TYPES = (types.FunctionType, types.MethodType, functools.partial)
+
+
+def _holds_function(value: Any, depth: int) -> bool:
+    if isinstance(value, _FUNCTION_TYPES):
+        return True
+    if depth == 0 or isinstance(value, (str, bytes, int, float, bool, *_JAXPR_TYPES)):
+        return False
+    if isinstance(value, (tuple, list)):
+        return any(_holds_function(item, depth - 1) for item in value)
+    if isinstance(value, dict):
+        return any(_holds_function(item, depth - 1) for item in value.values())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(
+            _holds_function(getattr(value, field.name, None), depth - 1)
+            for field in dataclasses.fields(value)
+        )
+    return False
+
+
+def holds_functions(eqn: JaxprEqn, known: frozenset[str] | set[str] | dict[str, Any]) -> bool:
+    """Whether `eqn` is a library's primitive (not one of the `known` JAX
+    primitives, nor a host callback) that holds Python functions in its params,
+    which it may run when bound or compiled (lineax's `linear_solve` holding an
+    operator function): code kups cannot see before it runs."""
+    name = eqn.primitive.name
+    if name in known or name.endswith("callback"):
+        return False
+    return any(_holds_function(value, 6) for value in eqn.params.values())

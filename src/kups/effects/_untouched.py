@@ -10,7 +10,10 @@ program stays exactly the user's, and tracing costs what re-binding costs.
 A control-flow primitive of a library (one kups has no handler for, such as
 lineax's `linear_solve`) whose sub-programs no handler touches is re-bound the
 same way: nothing inside it would be lost. A control-flow primitive of JAX's
-whose handler the user removed is left to the interpreter's policy.
+whose handler the user removed is left to the interpreter's policy. When effects
+go to handlers, a library primitive that holds Python functions (which may bind
+an effect when it runs or compiles) counts as touched, so that the interpreter
+reaches it and can tell when an effect would be lost there.
 
 The decision is made once per jaxpr and set of handled primitive names (cached
 weakly on the jaxpr), not at every equation.
@@ -25,7 +28,8 @@ from typing import Any, NamedTuple
 from jax.extend.core import Jaxpr
 
 from . import _compat
-from ._matching import contains_subjaxprs, is_control_flow, subjaxprs
+from ._effect import EFFECT_NAMES
+from ._matching import contains_subjaxprs, holds_functions, is_control_flow, subjaxprs
 
 # Options of the default handlers that only matter when a body changes the
 # context: with an untouched body they do nothing. (`updater`, `reduce_ctx` and
@@ -53,6 +57,8 @@ class Handled(NamedTuple):
 
     touching: frozenset[str]
     structural: frozenset[str]
+    # Whether effects go to handlers (see `holds_functions`).
+    effects: bool = False
 
 
 def handled_names(dispatcher: Any) -> Handled | None:
@@ -69,7 +75,8 @@ def handled_names(dispatcher: Any) -> Handled | None:
     structural = {
         name for name, handler in dispatcher._handlers.items() if _is_structural(handler, defaults)
     }
-    return Handled(frozenset(dispatcher._handlers) - structural, frozenset(structural))
+    touching = frozenset(dispatcher._handlers) - structural
+    return Handled(touching, frozenset(structural), not EFFECT_NAMES.isdisjoint(touching))
 
 
 _UNTOUCHED: weakref.WeakKeyDictionary[Jaxpr, dict[Handled, bool]] = weakref.WeakKeyDictionary()
@@ -81,7 +88,7 @@ def _eqn_untouched(eqn: Any, handled: Handled) -> bool:
     if name in handled.touching:
         return False
     if not is_control_flow(eqn):
-        return True
+        return not (handled.effects and holds_functions(eqn, _compat.KNOWN_PARAMS))
     if name not in handled.structural and name in _compat.KNOWN_PARAMS:
         # A control-flow primitive of JAX's with no handler: the user took its
         # handler away (or never registered one), and the interpreter's policy
