@@ -111,7 +111,7 @@ def run_blocks(path: Path, blocks: list[Block]) -> None:
             continue
         # Padding makes tracebacks show the Markdown file's own line numbers.
         source = "\n" * (block.line - 1) + block.code
-        exec(compile(source, str(path), "exec"), namespace)
+        exec(compile(source, str(path), "exec", dont_inherit=True), namespace)
 
 
 def page_id(path: Path) -> str:
@@ -223,7 +223,10 @@ DOCSTRING_EXAMPLES = _docstring_examples()
     ids=[name for name, _ in DOCSTRING_EXAMPLES],
 )
 def test_docstring_examples_run(name, code):
-    exec(compile(code, f"<docstring of {name}>", "exec"), {"__name__": "docstring_example"})
+    exec(
+        compile(code, f"<docstring of {name}>", "exec", dont_inherit=True),
+        {"__name__": "docstring_example"},
+    )
 
 
 def test_docstring_examples_found():
