@@ -493,7 +493,9 @@ def _replication_fixes(
     the number of shards."""
     reduce = _for_leaf(out_spec, path, f"jax.lax.psum(v, {axes!r})", "v")
     sharded_axes = _in_mesh_order(mesh, varying)
-    specs = _for_leaf(out_spec, path, f"PartitionSpec({sharded_axes!r})", "PartitionSpec()")
+    specs = f"PartitionSpec({sharded_axes!r})"
+    if out_spec.treedef.num_leaves > 1:
+        specs = _for_leaf(out_spec, path, specs, "PartitionSpec()")
     num_shards = math.prod(mesh.shape[name] for name in sharded_axes)
     if aval.ndim == 0:
         keep = (
