@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from kups import instrument
 from kups.effects import InterpreterPolicy
 from kups.instrument import PrimitiveCounts, count_primitives
-from library_primitive import library_call
+from library_primitive import library_call, library_fn_call
 
 X = jnp.float32(0.5)
 
@@ -524,6 +524,17 @@ def test_policy_must_be_an_interpreter_policy():
         count_primitives(jnp.sin, policy="ignore")  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match="got None"):
         count_primitives(jnp.sin, policy=None)  # pyright: ignore[reportArgumentType]
+
+
+def test_a_library_primitive_holding_a_function_is_opaque():
+    # It holds `sin`'s Python function, not a jaxpr: what it runs cannot be counted.
+    def f(x):
+        return jnp.exp(library_fn_call(lambda v: (jnp.sin(v) * 2.0,), x)[0])
+
+    with pytest.raises(NotImplementedError, match=r"primitive 'library_fn_call' at .*IGNORE"):
+        count_primitives(f)(X)
+    counts = opaque_counts_of(f, X)
+    assert dict(counts) == {"exp": 1} and counts.opaque == {"library_fn_call": 1}
 
 
 def test_raise_names_the_opaque_primitive_and_the_way_out():

@@ -38,6 +38,7 @@ from kups.effects import (
     Interpreter,
     InterpreterPolicy,
     Uninitialized,
+    _compat,
     check_policy,
     contains_subjaxprs,
     default_cond_handler,
@@ -51,6 +52,7 @@ from kups.effects import (
     source_line,
     wraps_with_leading,
 )
+from kups.effects._matching import holds_functions
 
 __all__ = ["PrimitiveCounts", "count_primitives"]
 
@@ -253,7 +255,8 @@ def _count_equation(interpreter: Any, ctx: _Tally, eqn: JaxprEqn, invals: list[A
 
 
 def _where(eqn: JaxprEqn) -> str:
-    return f"control-flow primitive {eqn.primitive.name!r} at {source_line(eqn)}"
+    kind = "control-flow primitive" if contains_subjaxprs(None, eqn, []) else "primitive"
+    return f"{kind} {eqn.primitive.name!r} at {source_line(eqn)}"
 
 
 def _count_opaque(interpreter: Any, ctx: _Tally, eqn: JaxprEqn, invals: list[Any]) -> Any:
@@ -264,8 +267,9 @@ def _count_opaque(interpreter: Any, ctx: _Tally, eqn: JaxprEqn, invals: list[Any
     if policy is InterpreterPolicy.RAISE:
         raise NotImplementedError(
             f"count_primitives cannot count inside the {_where(eqn)}: kups has no "
-            f"handler for it (it is not one of JAX's own), so the primitives its "
-            f"sub-program runs would be missing from the counts. To run it unchanged "
+            f"handler for it (it is not one of JAX's own, and runs a sub-program or "
+            f"Python functions of its own), so the primitives it runs inside would be "
+            f"missing from the counts. To run it unchanged "
             f"and count everything around it, pass policy=InterpreterPolicy.IGNORE (or "
             f"WARN, to be warned) to count_primitives (from kups.effects import "
             f"InterpreterPolicy); the counts' .opaque then says how many times "
@@ -326,7 +330,10 @@ def _names_in(program: Jaxpr | ClosedJaxpr) -> _Names:
         opaque: dict[str, Primitive] = {}
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
-            if not contains_subjaxprs(None, eqn, []):
+            if holds_functions(eqn, _compat.KNOWN_PARAMS):
+                # A library primitive running Python functions kups cannot see.
+                opaque[name] = eqn.primitive
+            elif not contains_subjaxprs(None, eqn, []):
                 counted.add(name)
             elif name in _interpreted():
                 for sub in _subjaxprs(eqn):
