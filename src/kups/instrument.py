@@ -445,7 +445,8 @@ def count_primitives(
 
     A control-flow primitive that kups has no handler for (a library's own, such
     as lineax's `linear_solve` or an equinox filter primitive) is opaque: kups
-    cannot see what it runs. `policy` says what happens then.
+    cannot see what it runs; so is a library primitive that holds Python
+    functions rather than jaxprs. `policy` says what happens then.
 
     **Arguments:**
 
