@@ -1048,6 +1048,13 @@ def test_out_spec_longer_than_a_vector_leaf(data_mesh):
     assert "it has 1 dimension" in message and "Give it at most 1" in message
     out = run_with(data_mesh, add_loss, ctx, declare_ctx_out_specs=lambda ctx: P("data"))
     np.testing.assert_allclose(out["loss"], np.repeat(SHARD_SUMS, 2), rtol=1e-5)
+    # Or replicated, with the psum it writes out.
+    [(name, reduce)] = suggested(message)
+    assert name == "reduce_ctx" and "`PartitionSpec()`" in message
+    out = run_with(
+        data_mesh, add_loss, ctx, declare_ctx_out_specs=lambda ctx: P(), reduce_ctx=reduce
+    )
+    np.testing.assert_allclose(out["loss"], [SHARD_SUMS.sum()] * 2, rtol=1e-5)
 
 
 def test_spec_naming_an_axis_not_in_the_mesh(data_mesh):
