@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -379,6 +380,29 @@ def bind_shard_map(primitive: Any, params: dict[str, Any], invals: Sequence[Any]
         for x in invals
     ]
     return list(trace.emit_eqn(tracers, out_avals, primitive, params, effects, source_info))
+
+
+_JAX_DIR = os.path.dirname(jax.__file__) + os.sep
+# Where a collective of JAX 0.10.2 to 0.12 keeps the axis names it was given, in
+# the frames of the error it raises for an unbound one.
+_AXIS_NAME_LOCALS = ("axis_name", "axis_names", "axes")
+_UNBOUND_AXIS = re.compile(r"unbound axis name: (\S+?)\.?(?:\s|$)")
+
+
+def axis_names_in_error(err: BaseException) -> list[str]:
+    """The axis names JAX was handling when it raised `err`: the collective's
+    arguments in JAX's own frames, and the name in an 'unbound axis name' message."""
+    names: list[Any] = []
+    tb = err.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename.startswith(_JAX_DIR):
+            for local in _AXIS_NAME_LOCALS:
+                value = frame.f_locals.get(local)
+                names.extend(value if isinstance(value, (tuple, list)) else (value,))
+        tb = tb.tb_next
+    names.extend(_UNBOUND_AXIS.findall(str(err)))
+    return list(dict.fromkeys(name for name in names if isinstance(name, str)))
 
 
 def equation_mesh(eqn: JaxprEqn) -> Any:

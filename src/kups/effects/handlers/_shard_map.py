@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import os
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -396,29 +394,6 @@ def _contains_shard_map(jaxpr: Any) -> bool:
     )
 
 
-_JAX_DIR = os.path.dirname(jax.__file__) + os.sep
-# Where a collective of JAX 0.10.2 to 0.12 keeps the axis names it was given, in
-# the frames of the error it raises for an unbound one.
-_AXIS_NAME_LOCALS = ("axis_name", "axis_names", "axes")
-_UNBOUND_AXIS = re.compile(r"unbound axis name: (\S+?)\.?(?:\s|$)")
-
-
-def _axis_names_in(err: BaseException) -> list[str]:
-    """The axis names JAX was handling when it raised `err`: the collective's
-    arguments in JAX's own frames, and the name in an 'unbound axis name' message."""
-    names: list[Any] = []
-    tb = err.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code.co_filename.startswith(_JAX_DIR):
-            for local in _AXIS_NAME_LOCALS:
-                value = frame.f_locals.get(local)
-                names.extend(value if isinstance(value, (tuple, list)) else (value,))
-        tb = tb.tb_next
-    names.extend(_UNBOUND_AXIS.findall(str(err)))
-    return list(dict.fromkeys(name for name in names if isinstance(name, str)))
-
-
 def _is_bound(name: str) -> bool:
     """Whether collectives may name `name` here (a manual mesh axis, or the
     `axis_name` of an enclosing `vmap`)."""
@@ -437,7 +412,7 @@ def _raise_if_unbound_axis(
     bare `AssertionError` (psum, pmax, ppermute, pcast), a `NameError` (all_gather,
     axis_index) or, for a name mixed with valid ones, a `ValueError`, on JAX 0.10.2
     and 0.12. Any other error is left alone: the caller re-raises it."""
-    unbound = [name for name in _axis_names_in(err) if not _is_bound(name)]
+    unbound = [name for name in _compat.axis_names_in_error(err) if not _is_bound(name)]
     if not unbound:
         return
     bound = jax.sharding.get_abstract_mesh().manual_axes
