@@ -243,6 +243,16 @@ KNOWN_PARAMS: dict[str, frozenset[str]] = {
     "closed_call": frozenset({"call_jaxpr"}),
     # A call of a jaxpr, new in JAX 0.11 (what `closed_call` and custom rules emit).
     "eval_jaxpr": frozenset({"call_jaxpr"}),
+    # The forward pass of a `custom_vjp` declared with `optimize_remat=True`, as
+    # differentiation stages it (the same in JAX 0.10.0 to 0.12.0.1).
+    "remat_opt": frozenset({"num_consts", "num_res", "fwd_jaxpr", "fun_jaxpr_thunk"}),
+    # `jax.custom_batching.custom_vmap` (the same in JAX 0.10.0 to 0.12.0.1).
+    "custom_vmap_call": frozenset({"call", "rule", "in_tree", "out_tree"}),
+    # `custom_partitioning` is deliberately absent: it has no handler (its
+    # partitioning rule runs when XLA compiles, out of any interpreter's reach), and
+    # a JAX primitive listed here with no handler goes to the interpreter's policy
+    # even when nothing inside it is touched. Unlisted, it is re-bound quietly
+    # unless a handler would see something inside it.
 }
 
 
@@ -543,6 +553,15 @@ def shape_dtype_struct(aval: Any) -> jax.ShapeDtypeStruct:
 
 def jaxprs_in_params(params: dict[str, Any]) -> list[Jaxpr]:
     return list(jax.extend.core.jaxprs_in_params(params))
+
+
+def jaxpr_like(original: Jaxpr | ClosedJaxpr, jaxpr: Jaxpr) -> Jaxpr | ClosedJaxpr:
+    """A const-free `jaxpr` in the form a parameter held `original`: a `ClosedJaxpr`
+    up to JAX 0.10, an open `Jaxpr` for some parameters from JAX 0.11 on
+    (`custom_vmap_call`'s `call`, `remat_opt`'s `fwd_jaxpr`)."""
+    if isinstance(original, ClosedJaxpr):
+        return new_closed_jaxpr(jaxpr, ())
+    return jaxpr
 
 
 def open_jaxpr(jaxpr: Jaxpr | ClosedJaxpr) -> tuple[Jaxpr, Sequence[Any]]:
