@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
+from jax import custom_batching, lax
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core.primitives import closed_call_p
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -38,6 +39,22 @@ def _custom_vjp(x):
 _custom_vjp.defvjp(lambda x: (_custom_vjp(x), x), lambda x, g: (g * jnp.cos(x),))
 
 
+@jax.custom_vjp
+def _remat_opt(x):
+    return jnp.sin(x)
+
+
+_remat_opt.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (g * c,), optimize_remat=True)
+
+
+@custom_batching.custom_vmap
+def _custom_vmap(x):
+    return jnp.sin(x)
+
+
+_custom_vmap.def_vmap(lambda axis_size, in_batched, x: (jnp.cos(x), in_batched[0]))
+
+
 def _shard_map(x):
     mesh = jax.make_mesh((8,), ("i",), axis_types=(AxisType.Auto,))
     return jax.shard_map(lambda a: a * 2, mesh=mesh, in_specs=P("i"), out_specs=P("i"))(x)
@@ -61,6 +78,9 @@ PROGRAMS = {
         lambda v: 2 * v, x, lambda mv, b: b / 2
     ),
     "call": _call,
+    # Staged by differentiating a `custom_vjp` with `optimize_remat=True`.
+    "remat_opt": lambda x: jax.grad(lambda a: jnp.sum(_remat_opt(a)))(x),
+    "custom_vmap_call": _custom_vmap,
 }
 
 
@@ -84,6 +104,34 @@ def test_the_running_jax_gives_only_parameters_kups_knows(name):
 def test_every_default_handler_has_its_parameters_listed():
     legacy = {"pjit", "checkpoint", "custom_vjp_call_jaxpr", "core_call", "call"}
     assert set(DEFAULT_HANDLERS) - legacy <= set(_compat.KNOWN_PARAMS)
+
+
+def test_custom_partitioning_is_not_a_known_primitive():
+    # It has no handler (its partitioning rule runs when XLA compiles), and a
+    # known primitive with no handler goes to the policy even when untouched.
+    @custom_partitioning
+    def partitioned(x):
+        return jnp.sin(x)
+
+    partitioned.def_partition(
+        partition=lambda mesh, args, result: (mesh, jnp.sin, result.sharding, (args[0].sharding,)),
+        sharding_rule="i -> i",
+    )
+    (eqn,) = jax.make_jaxpr(partitioned)(X).eqns
+    assert eqn.primitive.name == "custom_partitioning"
+    assert set(eqn.params) == {
+        "call",
+        "partition",
+        "propagate_user_sharding",
+        "infer_sharding_from_operands",
+        "decode_shardings",
+        "sharding_rule",
+        "in_tree",
+        "out_tree",
+        "static_args",
+    }
+    assert "custom_partitioning" not in _compat.KNOWN_PARAMS
+    assert "custom_partitioning" not in DEFAULT_HANDLERS
 
 
 def test_scan_layout_and_a_rebuilt_scan_with_nothing_added_are_the_original():

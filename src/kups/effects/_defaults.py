@@ -11,7 +11,9 @@ from .handlers import (
     default_custom_jvp_handler,
     default_custom_linear_solve_handler,
     default_custom_vjp_handler,
+    default_custom_vmap_handler,
     default_jit_handler,
+    default_remat_opt_handler,
     default_scan_handler,
     default_shard_map_handler,
     default_while_handler,
@@ -30,6 +32,8 @@ DEFAULT_HANDLERS = {
     "custom_jvp_call": default_custom_jvp_handler,
     "custom_vjp_call": default_custom_vjp_handler,
     "custom_vjp_call_jaxpr": default_custom_vjp_handler,
+    "remat_opt": default_remat_opt_handler,
+    "custom_vmap_call": default_custom_vmap_handler,
     "closed_call": default_closed_call_handler,
     "eval_jaxpr": default_closed_call_handler,  # a call of a jaxpr, from JAX 0.11
     "core_call": default_closed_call_handler,
