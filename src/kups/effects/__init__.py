@@ -31,8 +31,10 @@ from .handlers import (
     default_custom_linear_solve_handler as default_custom_linear_solve_handler,
 )
 from .handlers import default_custom_vjp_handler as default_custom_vjp_handler
+from .handlers import default_custom_vmap_handler as default_custom_vmap_handler
 from .handlers import default_jit_handler as default_jit_handler
 from .handlers import default_primitive_handler as default_primitive_handler
+from .handlers import default_remat_opt_handler as default_remat_opt_handler
 from .handlers import default_scan_handler as default_scan_handler
 from .handlers import default_shard_map_handler as default_shard_map_handler
 from .handlers import default_while_handler as default_while_handler
@@ -54,9 +56,11 @@ __all__ = [
     "default_custom_jvp_handler",
     "default_custom_linear_solve_handler",
     "default_custom_vjp_handler",
+    "default_custom_vmap_handler",
     "default_dispatcher",
     "default_jit_handler",
     "default_primitive_handler",
+    "default_remat_opt_handler",
     "default_scan_handler",
     "default_shard_map_handler",
     "default_while_handler",
