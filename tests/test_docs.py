@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import json
 import os
 import re
 import socket
@@ -283,24 +282,3 @@ def test_multiprocess_scripts_run(path, block, tmp_path):
     lines = [out.strip().splitlines()[-1].split(maxsplit=1) for out in outputs]
     assert [line[0] for line in lines] == ["0", "1"], report
     assert lines[0][1] == lines[1][1], report
-
-
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-
-
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=page_id)
-def test_notebooks_are_committed_clean(path):
-    """Notebooks are committed without outputs (the suite executes them with
-    nbmake), run on the default `python3` kernel, and ask for their devices
-    before JAX is imported."""
-    notebook = json.loads(path.read_text(encoding="utf-8"))
-    assert notebook["metadata"]["kernelspec"]["name"] == "python3"
-    code = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
-    for cell in code:
-        assert cell.get("outputs", []) == [] and cell.get("execution_count") is None
-    first = "".join(code[0]["source"])
-    assert first.index("XLA_FLAGS") < first.index("import jax")
-
-
-def test_there_are_at_least_three_notebooks():
-    assert len(NOTEBOOKS) >= 3
