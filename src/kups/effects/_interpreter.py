@@ -188,7 +188,8 @@ class Interpreter:
         outer_name_stack = _compat.current_name_stack()
         bind = _compat.bind_equation
         # Control flow that no handler touches is re-bound whole (see _untouched).
-        skips = skipped_equations(jaxpr, self._handled)
+        plan = _plan(jaxpr)
+        skips = skipped_equations(jaxpr, self._handled, plan)
         # When this interpreter handles effects, an equation bound unchanged may run
         # Python code that binds one unseen (a library primitive holding a function).
         watch_effects = not EFFECT_NAMES.isdisjoint(handlers)
@@ -197,7 +198,7 @@ class Interpreter:
         # the one they were typed for before the first region changed it.
         start_mesh = ctx_mesh = _compat.current_mesh()
         home_mesh = None
-        for index, (eqn, control_flow, free) in enumerate(_plan(jaxpr)):
+        for index, (eqn, control_flow, free) in enumerate(plan):
             eqn_mesh = _compat.equation_mesh(eqn)
             if eqn_mesh is not ctx_mesh and eqn_mesh != ctx_mesh:
                 if home_mesh is None:

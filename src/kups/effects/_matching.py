@@ -35,6 +35,7 @@ COMBINER_PRIMITIVES: frozenset[str] = frozenset(
 )
 
 _JAXPR_TYPES = (Jaxpr, ClosedJaxpr)
+_SCALAR_TYPES = (str, bytes, int, float, bool)
 
 
 def _jaxprs_in(value: Any, depth: int) -> Iterator[Jaxpr | ClosedJaxpr]:
@@ -69,7 +70,14 @@ _MAX_DEPTH = 6
 
 
 def has_jaxpr_params(params: dict[str, Any]) -> bool:
-    return next(subjaxprs(params), None) is not None
+    # Called on every equation a walk meets: most params are None or scalars, so
+    # those are passed over without building a generator.
+    for value in params.values():
+        if value is None or isinstance(value, _SCALAR_TYPES):
+            continue
+        if next(_jaxprs_in(value, _MAX_DEPTH), None) is not None:
+            return True
+    return False
 
 
 def is_control_flow(eqn: JaxprEqn) -> bool:
@@ -127,4 +135,9 @@ def holds_functions(eqn: JaxprEqn, known: frozenset[str] | set[str] | dict[str, 
     name = eqn.primitive.name
     if name in known or name.endswith("callback"):
         return False
-    return any(_holds_function(value, 6) for value in eqn.params.values())
+    for value in eqn.params.values():
+        if value is None or isinstance(value, _SCALAR_TYPES):
+            continue
+        if _holds_function(value, 6):
+            return True
+    return False

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from jax.extend.core import Jaxpr
@@ -111,16 +112,20 @@ def untouched(jaxpr: Any, handled: Handled) -> bool:
     return found
 
 
-def skipped_equations(jaxpr: Jaxpr, handled: Handled | None) -> list[bool] | None:
+def skipped_equations(
+    jaxpr: Jaxpr, handled: Handled | None, plan: Sequence[tuple[Any, bool, Any]]
+) -> list[bool] | None:
     """For each equation of `jaxpr`, whether it is control flow that no handler
-    touches (to be re-bound whole); `None` when nothing may be skipped."""
+    touches (to be re-bound whole); `None` when nothing may be skipped. `plan` is
+    the interpreter's `(eqn, is_control_flow, ...)` per equation, so that
+    `is_control_flow` is not asked twice of every equation."""
     if handled is None:
         return None
     per_jaxpr = _SKIPS.setdefault(jaxpr, {})
     skips = per_jaxpr.get(handled)
     if skips is None:
         skips = per_jaxpr[handled] = [
-            is_control_flow(eqn) and _eqn_untouched(eqn, handled) for eqn in jaxpr.eqns
+            control_flow and _eqn_untouched(eqn, handled) for eqn, control_flow, _ in plan
         ]
     return skips
 
