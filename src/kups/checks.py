@@ -41,6 +41,7 @@ from jax import lax
 from jax.core import Tracer
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
 from jax.interpreters import batching
+from jax.sharding import PartitionSpec as P
 
 from kups.effects import (
     Dispatcher,
@@ -576,6 +577,12 @@ class _Ctx(eqx.Module):
     shard_axes: tuple[Hashable, ...] = eqx.field(static=True)
     kinds: frozenset[str] = eqx.field(static=True)
     enclosing: str = eqx.field(static=True, default=_UNKNOWN)
+    # Inside shard_map: this shard's coordinate along each of `shard_axes`, as an
+    # int32 array of shape `(1,) * k + (len(shard_axes),)` (k: the manual axes of
+    # the innermost shard_map), handed in sharded rather than read by
+    # `axis_index`, which JAX before 0.10.2 cannot lower for the axis of an
+    # enclosing shard_map inside a nested one.
+    coords: jax.Array | None = None
 
     def with_sites(self, sites: Iterable[_Site]) -> _Ctx:
         """This context with an empty slot for each site it has none for."""
@@ -768,7 +775,7 @@ def _record(
     ctx = ctx.with_sites([site])
     fails = jnp.logical_and(bad, jnp.logical_not(ctx.failed))
     iterations = jnp.stack(ctx.loops) if ctx.loops else None
-    shard = jnp.stack([lax.axis_index(axis) for axis in ctx.shard_axes]) if ctx.shard_axes else None
+    shard = None if ctx.coords is None else ctx.coords.reshape(len(ctx.shard_axes))
 
     def fill(slot: _Slot) -> _Slot:
         if slot.site != site:
@@ -1038,24 +1045,47 @@ def _shard_map_handler(
     interpreter: Interpreter, ctx: _Ctx, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:
     mesh, manual_axes = shard_map_axes(eqn)
-    num_shards = math.prod(mesh.shape[axis] for axis in manual_axes)
+    sizes = tuple(mesh.shape[axis] for axis in manual_axes)
     inner_axes = (*ctx.shard_axes, *manual_axes)
     reduce_ctx = _first_failing_shard(
-        manual_axes, inner_axes, num_shards, bool(eqn.params.get("check_vma", True))
+        manual_axes, sizes, inner_axes, bool(eqn.params.get("check_vma", True))
     )
-    inner = dataclasses.replace(ctx, shard_axes=inner_axes)
+    inner = dataclasses.replace(ctx, shard_axes=inner_axes, coords=_shard_coords(ctx.coords, sizes))
+
+    def ctx_in_specs(tree: _Ctx) -> _Ctx:
+        return dataclasses.replace(jax.tree.map(lambda _: P(), tree), coords=P(*manual_axes, None))
+
     inner, outvals = default_shard_map_handler(
-        interpreter, inner, eqn, invals, reduce_ctx=reduce_ctx
+        interpreter, inner, eqn, invals, declare_ctx_in_specs=ctx_in_specs, reduce_ctx=reduce_ctx
     )
-    return HandlerResult(dataclasses.replace(inner, shard_axes=ctx.shard_axes), outvals)
+    return HandlerResult(
+        dataclasses.replace(inner, shard_axes=ctx.shard_axes, coords=ctx.coords), outvals
+    )
+
+
+def _shard_coords(outer: jax.Array | None, sizes: tuple[int, ...]) -> jax.Array:
+    """Every shard's coordinates for a shard_map over manual axes of `sizes`: an
+    array of shape `(*sizes, k + len(sizes))` whose row at `(i, j, ...)` is the
+    enclosing shard's `k` coordinates followed by `i, j, ...`; sharded over the
+    manual axes, each shard gets its own row."""
+    grid = jnp.stack(
+        jnp.meshgrid(*(jnp.arange(n, dtype=jnp.int32) for n in sizes), indexing="ij"), -1
+    )
+    if outer is None:
+        return grid
+    outer = jnp.broadcast_to(outer.reshape(-1), (*sizes, outer.size))
+    return jnp.concatenate([outer, grid], -1)
 
 
 @functools.lru_cache(maxsize=256)
 def _first_failing_shard(
-    axes: tuple[Hashable, ...], all_axes: tuple[Hashable, ...], num_shards: int, check_vma: bool
+    axes: tuple[Hashable, ...],
+    sizes: tuple[int, ...],
+    all_axes: tuple[Hashable, ...],
+    check_vma: bool,
 ) -> Callable[[_Ctx], _Ctx]:
-    """`reduce_ctx` for a shard_map over the manual `axes` (`all_axes`: those and
-    the manual axes of enclosing shard_maps): every shard's context replaced by
+    """`reduce_ctx` for a shard_map over the manual `axes` of `sizes` (`all_axes`:
+    those and the manual axes of enclosing shard_maps): every shard's context replaced by
     that of the first failing shard in mesh order (shard 0's when none failed), so
     that it leaves the shard_map replicated. Cached, so that the framework's body
     cache recognises it.
@@ -1078,10 +1108,14 @@ def _first_failing_shard(
             picked = [_varying(value, all_axes) for value in picked]
         rows = [_to_bytes(value) for value in picked]
         row = jnp.concatenate(rows)
-        table = jnp.zeros((num_shards, row.shape[0]), jnp.uint8)
+        table = jnp.zeros((math.prod(sizes), row.shape[0]), jnp.uint8)
         if check_vma:
             table = _varying(table, all_axes)
-        table = lax.dynamic_update_slice(table, row[None], (lax.axis_index(axes), 0))
+        # This shard's row: its index over `axes` in mesh order, from its coordinates.
+        assert ctx.coords is not None
+        own = ctx.coords.reshape(-1)[len(all_axes) - len(axes) :]
+        index = sum((own[i] * math.prod(sizes[i + 1 :]) for i in range(len(axes))), jnp.int32(0))
+        table = lax.dynamic_update_slice(table, row[None], (index, 0))
         table = lax.psum(table, axes)
         # Row `i` is shard `i` in mesh order; the flag is each row's first byte.
         chosen = table[jnp.argmax(table[:, 0] != 0)]
@@ -1093,7 +1127,11 @@ def _first_failing_shard(
         failed = next(values)
         slot_leaves = [next(values) if r else leaf for leaf, r in zip(slot_leaves, reduced)]
         return dataclasses.replace(
-            ctx, failed=failed, slots=jax.tree.unflatten(slot_tree, slot_leaves)
+            ctx,
+            failed=failed,
+            slots=jax.tree.unflatten(slot_tree, slot_leaves),
+            # Replicated, to leave the body; the caller keeps its own.
+            coords=jnp.zeros(ctx.coords.shape, jnp.int32),
         )
 
     return reduce_ctx
