@@ -1876,3 +1876,38 @@ def test_wrappers_show_the_users_signature_with_their_leading_argument():
     # jit's static/donate argnums count the leading argument, as the signature says.
     planted = jax.jit(plant(model, tag="t"), static_argnums=3)
     assert planted({"a": jnp.float32(5.0)}, jnp.float32(1.0), jnp.float32(1.0), 3.0) == 6.0
+
+
+def test_loops_without_a_sow_are_not_walked(monkeypatch):
+    import kups.harvest as harvest_module
+
+    calls = []
+    for cls, names in [
+        (harvest_module._Reaper, ("scan", "while_loop", "cond")),
+        (harvest_module._Planter, ("scan", "while_loop")),
+    ]:
+        for name in names:
+            original = getattr(cls, name)
+
+            def counting(self, interpreter, ctx, eqn, invals, original=original):
+                calls.append(eqn.primitive.name)
+                return original(self, interpreter, ctx, eqn, invals)
+
+            monkeypatch.setattr(cls, name, counting)
+
+    def f(x):
+        x = lax.scan(lambda c, v: (c + v, None), x, jnp.arange(3.0))[0]  # no sow
+        x = lax.fori_loop(0, 3, lambda i, c: c * 2, x)  # no sow
+        x = lax.cond(x > 0, jnp.sin, jnp.cos, x)  # no sow
+        x = sow(x, tag="t", name="last")
+        return lax.scan(
+            lambda c, v: (sow(c + v, tag="t", name="s", mode="append"), None), x, jnp.arange(2.0)
+        )[0]
+
+    out, sown = jax.jit(reap(f, tag="t"))(1.0)
+    np.testing.assert_array_equal(out, jax.jit(f)(1.0))
+    assert set(sown) == {"last", "s"} and sown["s"].shape == (2,)
+    planted = jax.jit(plant(f, tag="t"))({"last": 5.0}, 1.0)
+    assert planted == 5.0 + 0.0 + 1.0
+    # Only the scan that sows reaches the handlers, once for reap and once for plant.
+    assert calls == ["scan", "scan"]

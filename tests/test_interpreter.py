@@ -24,7 +24,9 @@ from kups.effects import (
     InterpreterPolicy,
     default_dispatcher,
     default_primitive_handler,
+    default_scan_handler,
     reinterpret,
+    skip_when_untouched,
     source_line,
     source_location,
 )
@@ -581,3 +583,45 @@ def test_equinox_filter_jit_takes_the_wrapped_function():
         out, ctx = eqx.filter_jit(wrapped)(jnp.int32(0), X)
     np.testing.assert_allclose(out, 2.0 * X)
     assert int(ctx) == 0
+
+
+# ---------------------------------------------------------------------------
+# skip_when_untouched
+# ---------------------------------------------------------------------------
+
+
+def _scans(x):
+    """Two scans: the first binds a `sin`, the second only a `cos`."""
+    x = lax.scan(lambda c, v: (c + jnp.sin(v), v), 0.0, x)[0]
+    return lax.scan(lambda c, v: (c * jnp.cos(v), v), x, X)[0]
+
+
+def _calls_counted(handler, calls):
+    def counting(interpreter, ctx, eqn, invals):
+        calls.append(eqn.primitive.name)
+        return handler(interpreter, ctx, eqn, invals)
+
+    return counting
+
+
+@pytest.mark.parametrize("marked", [False, True])
+def test_a_marked_handler_is_not_called_for_a_body_no_handler_touches(marked):
+    calls = []
+    scan = _calls_counted(default_scan_handler, calls)
+    dispatcher = default_dispatcher().register_handler(
+        "scan", skip_when_untouched(scan) if marked else scan
+    )
+    dispatcher.register_handler("sin", count_handler)
+    out, count = jax.jit(reinterpret(_scans, Interpreter(dispatcher)))(0, X)
+    assert int(count) == 4  # one sin per iteration of the first scan
+    np.testing.assert_array_equal(out, jax.jit(_scans)(X))
+    # Unmarked, the handler runs for both scans; marked, only for the one with a sin.
+    assert calls == (["scan"] if marked else ["scan", "scan"])
+
+
+def test_skip_when_untouched_keeps_the_handler_and_refuses_what_is_not_one():
+    marked = skip_when_untouched(count_handler)
+    assert skip_when_untouched(marked) is marked
+    assert marked.__wrapped__ is count_handler and "count_handler" in repr(marked)
+    with pytest.raises(TypeError, match="skip_when_untouched needs a handler"):
+        skip_when_untouched("scan")

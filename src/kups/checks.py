@@ -60,6 +60,7 @@ from kups.effects import (
     define_effect,
     reinterpret,
     shard_map_axes,
+    skip_when_untouched,
     source_location,
     varying_axes,
     wraps_with_leading,
@@ -1213,8 +1214,9 @@ def _dispatcher(kinds: frozenset[str]) -> Dispatcher:
         "cond": _cond_handler,
         "shard_map": _shard_map_handler,
     }
+    # Control flow with no check inside is re-bound whole (see `_scoped`).
     for name, handler in handlers.items():
-        dispatcher.register_handler(name, _scoped(handler))
+        dispatcher.register_handler(name, skip_when_untouched(_scoped(handler)))
     if kinds & automatic_checks:
         dispatcher.register_fallback_handler(_automatic_handler)
     # Without user_checks, a `check` stays in the program as it is, for an

@@ -76,6 +76,7 @@ from kups.effects import (
     define_effect,
     reinterpret,
     shard_map_axes,
+    skip_when_untouched,
     source_line,
     varying_axes,
     wraps_with_leading,
@@ -588,10 +589,10 @@ class _Reaper:
     def interpreter(self, caller: str, policy: InterpreterPolicy) -> Interpreter:
         dispatcher = default_dispatcher()
         dispatcher.register_handler(_sow_p, self.sow)
-        dispatcher.register_handler("scan", self.scan)
-        dispatcher.register_handler("while", self.while_loop)
-        dispatcher.register_handler("cond", self.cond)
-        dispatcher.register_handler("shard_map", self.shard_map)
+        dispatcher.register_handler("scan", skip_when_untouched(self.scan))
+        dispatcher.register_handler("while", skip_when_untouched(self.while_loop))
+        dispatcher.register_handler("cond", skip_when_untouched(self.cond))
+        dispatcher.register_handler("shard_map", skip_when_untouched(self.shard_map))
         interpreter = Interpreter(
             dispatcher, policy=policy, label=f"kups.harvest.{caller}({self.selection})"
         )
@@ -917,9 +918,9 @@ class _Planter:
     def interpreter(self, caller: str, policy: InterpreterPolicy) -> Interpreter:
         dispatcher = default_dispatcher()
         dispatcher.register_handler(_sow_p, self.sow)
-        dispatcher.register_handler("scan", self.scan)
-        dispatcher.register_handler("while", self.while_loop)
-        dispatcher.register_handler("shard_map", self.shard_map)
+        dispatcher.register_handler("scan", skip_when_untouched(self.scan))
+        dispatcher.register_handler("while", skip_when_untouched(self.while_loop))
+        dispatcher.register_handler("shard_map", skip_when_untouched(self.shard_map))
         interpreter = Interpreter(
             dispatcher, policy=policy, label=f"kups.harvest.{caller}({self.selection})"
         )

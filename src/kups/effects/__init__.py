@@ -19,6 +19,7 @@ from ._types import InterpreterPolicy as InterpreterPolicy
 from ._types import ScanSemantics as ScanSemantics
 from ._types import Uninitialized as Uninitialized
 from ._types import check_policy as check_policy
+from ._untouched import skip_when_untouched as skip_when_untouched
 from .handlers import (
     default_checkpoint_handler as default_checkpoint_handler,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "define_effect",
     "reinterpret",
     "shard_map_axes",
+    "skip_when_untouched",
     "source_line",
     "source_location",
     "to_current_mesh",

@@ -38,10 +38,52 @@ from ._matching import contains_subjaxprs, holds_functions, is_control_flow, sub
 _INERT_OPTIONS = frozenset({"initializer", "threading", "thread_condition"})
 
 
+class _SkipWhenUntouched:
+    """A handler marked by `skip_when_untouched`; calls the one it wraps."""
+
+    def __init__(self, handler: Any):
+        self.handler = handler
+        functools.update_wrapper(self, handler)
+
+    def __call__(self, interpreter: Any, ctx: Any, eqn: Any, invals: list[Any]) -> Any:
+        return self.handler(interpreter, ctx, eqn, invals)
+
+    def __repr__(self) -> str:
+        return f"skip_when_untouched({self.handler!r})"
+
+
+def skip_when_untouched(handler: Any) -> Any:
+    """Marks a control-flow handler that, when no equation inside the equation's
+    sub-programs goes to a handler (recursively), does what the default handler
+    does: threads the context through unchanged.
+
+    The interpreter then re-binds such an equation whole, without calling the
+    handler or walking its body, as it does for the default control-flow
+    handlers; tracing costs what re-binding costs. Mark a handler only when that
+    holds: for instance a `scan` handler that stacks the values a `sow` adds to
+    the context, and leaves a context without new values as it is.
+
+    **Arguments:**
+
+    - `handler`: `handler(interpreter, ctx, eqn, invals) -> HandlerResult`.
+
+    **Returns:**
+
+    A handler that calls `handler`, to register in its place.
+    """
+    if not callable(handler):
+        raise TypeError(
+            f"skip_when_untouched needs a handler, callable as "
+            f"handler(interpreter, ctx, eqn, invals); got {type(handler).__name__}."
+        )
+    return handler if isinstance(handler, _SkipWhenUntouched) else _SkipWhenUntouched(handler)
+
+
 def _is_structural(handler: Any, defaults: frozenset[Any]) -> bool:
     """Whether `handler` is a default control-flow handler, which threads the
-    context through a body and does nothing else."""
-    if handler in defaults:
+    context through a body and does nothing else, or one marked to act like it
+    when its body is untouched."""
+    if handler in defaults or isinstance(handler, _SkipWhenUntouched):
         return True
     return (
         isinstance(handler, functools.partial)
