@@ -147,14 +147,12 @@ def _notes(irregular_visits: list[str], superlinear: list[str]) -> list[str]:
             "another loop. The initializer's new leaf is a concrete array, whose aval "
             "has no mesh; when the outer loop re-traces with that leaf, it enters the "
             "`shard_map` body through `shard_aval` and its aval now carries the manual "
-            "mesh. The body cache (`kups.effects._body.trace_body`) keys on the whole "
-            "aval, sharding included, so the levels below that `shard_map` are traced "
+            "mesh. A body cache (`kups.effects._body.trace_body`) keyed on the whole "
+            "aval, sharding included, traces the levels below that `shard_map` "
             "once more. It is bounded (one extra trace, at any depth), not 2**d. "
-            "Proposed fix, in `src/`: key the cache on what JAX's own `core.typematch` "
-            "always compares (shape, dtype, weak type, manual axes, memory space) and "
-            "check `typematch` on a hit. Measured on a copy of `src/`: 2 visits at "
-            "every depth, the same outputs and counts under `jax.jit`, and the test "
-            "suite passes with it."
+            "kups keys the cache on what JAX's type check compares "
+            "(`kups.effects._compat.aval_match_key`, checked with `typematch` on a hit), "
+            "so seeing this means that key misses a difference of this JAX release."
         )
     if superlinear:
         notes.append(

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.extend.core import jaxprs_in_params
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from kups.effects import (
     HandlerResult,
@@ -222,3 +224,38 @@ def test_unhashable_static_leaf_still_not_exponential():
     assert all(total <= depth + 1 for depth, total in zip(DEPTHS, totals, strict=True)), totals
     _out, ctx = reinterpret(nested(["scan"] * 3), probe.interpreter)(probe.ctx, X)
     assert isinstance(ctx["meta"], Unhashable) and int(ctx["count"]) == 8
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize("loop", ["scan", "while"])
+def test_a_leaf_first_made_under_a_shard_map_inside_a_loop_is_traced_twice(axis_type, loop):
+    # The context starts empty and the innermost loop's initializer makes the
+    # leaf, a concrete array whose aval has no mesh; the outer loop's second trace
+    # carries it into the (partial-manual) shard_map, where it gains one. JAX's
+    # type check ignores that difference, and so does the body cache.
+    mesh = jax.make_mesh((2, 2), ("i", "j"), axis_types=(axis_type,) * 2)
+    visits = []
+
+    def count(interpreter, ctx, eqn, invals):
+        visits.append(eqn)
+        total = ctx["count"] + 1 if "count" in ctx else jnp.int32(1)
+        return HandlerResult({**ctx, "count": total}, [jnp.sin(invals[0])])
+
+    dispatcher = default_dispatcher().register_handler("sin", count)
+    dispatcher.register_handler(
+        "scan", functools.partial(default_scan_handler, initializer=zeros_for_new_leaves)
+    )
+    dispatcher.register_handler(
+        "while", functools.partial(default_while_handler, initializer=zeros_for_new_leaves)
+    )
+    sharded = jax.shard_map(
+        wrap(loop, jnp.sin), mesh=mesh, in_specs=P(), out_specs=P(), axis_names={"j"}
+    )
+    fn = wrap("scan", wrap(loop, sharded))
+    interpreted = reinterpret(fn, Interpreter(dispatcher))
+    with jax.set_mesh(mesh):
+        jax.make_jaxpr(interpreted)({}, X)
+    assert len(visits) == 2
+    out, ctx = jax.jit(interpreted)({}, X)
+    np.testing.assert_array_equal(out, jax.jit(fn)(X))
+    assert int(ctx["count"]) == TRIPS**3

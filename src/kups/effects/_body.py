@@ -71,13 +71,27 @@ def trace_body(
     call: interpreting the same sub-program with the same context again reuses it,
     so nesting does not multiply the work.
     """
-    cache_key = None
+    cache_key = match_key = None
     if key is not None:
         ctx_key = ctx_spec.hash_key()
         if ctx_key is not None:
+            cache = interpreter._body_cache
             cache_key = (key, ctx_key, tuple(arg_avals))
-            hit = interpreter._body_cache.get(cache_key)
+            hit = cache.get(cache_key)
             if hit is not None:
+                return hit[0]
+            # The same avals but for shardings JAX's type check ignores (a new
+            # context leaf made from a concrete array has no mesh; the same leaf
+            # carried into a shard_map body has one): the traced body fits too.
+            match_key = (key, ctx_spec.match_key(), tuple(map(_compat.aval_match_key, arg_avals)))
+            hit = cache.get(match_key)
+            if hit is not None and all(
+                map(
+                    _compat.avals_match,
+                    (*hit[0].ctx_in.avals, *hit[2]),
+                    (*ctx_spec.avals, *arg_avals),
+                )
+            ):
                 return hit[0]
 
     num_ctx = ctx_spec.num_values
@@ -110,7 +124,8 @@ def trace_body(
     )
     if cache_key is not None and not any(isinstance(c, _compat.Tracer) for c in consts):
         # The key's jaxpr is kept alive with the entry so that its id is not reused.
-        interpreter._body_cache[cache_key] = (traced, key)
+        interpreter._body_cache[cache_key] = (traced, key, tuple(arg_avals))
+        interpreter._body_cache.setdefault(match_key, (traced, key, tuple(arg_avals)))
     return traced
 
 

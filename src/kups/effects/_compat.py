@@ -684,3 +684,33 @@ def adopt_debug_info(fn: Callable[..., Any], debug_info: Any) -> None:
     fields = getattr(debug_info, "_fields", ())
     if replace is not None and {"arg_names", "result_paths"} <= set(fields):
         fn.__fun_debug_info__ = replace(arg_names=None, result_paths=None)  # pyright: ignore[reportFunctionMemberAccess]
+
+
+# ---------------------------------------------------------------------------
+# Avals that differ only where JAX's own type check does not look.
+# ---------------------------------------------------------------------------
+
+
+def aval_match_key(aval: Any) -> Any:
+    """`aval` without its sharding: what `avals_match` always compares (shape,
+    dtype, weak type, manual axis types, memory space; the layout, where avals
+    carry one). Avals of other kinds are their own key."""
+    if not isinstance(aval, _core.ShapedArray):
+        return aval
+    return (
+        type(aval),
+        aval.shape,
+        aval.dtype,
+        aval.weak_type,
+        getattr(aval, "mat", None),
+        getattr(aval, "vma", None),
+        getattr(aval, "memory_space", None),
+        getattr(aval, "layout", None),
+    )
+
+
+def avals_match(a: Any, b: Any) -> bool:
+    """Whether a value of aval `b` may go where JAX expects aval `a`: JAX's
+    `typematch` (which compares shardings only when both carry a mesh and one has
+    an explicit axis), with equal weak types (which decide type promotion)."""
+    return getattr(a, "weak_type", None) == getattr(b, "weak_type", None) and _core.typematch(a, b)

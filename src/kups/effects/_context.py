@@ -55,6 +55,16 @@ class CtxSpec:
             return None
         return (self.treedef, self.value_mask, self.statics, self.avals)
 
+    def match_key(self) -> Any:
+        """`hash_key` with each aval's sharding left out (see `_compat.aval_match_key`);
+        call only when `hash_key` is not `None`."""
+        return (
+            self.treedef,
+            self.value_mask,
+            self.statics,
+            tuple(map(_compat.aval_match_key, self.avals)),
+        )
+
     def unflatten(self, values: Sequence[Any]) -> Any:
         values_iter = iter(values)
         statics_iter = iter(self.statics)
