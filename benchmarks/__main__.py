@@ -18,7 +18,15 @@ from pathlib import Path
 
 from ._report import Section, Table, markdown_table, section_markdown
 
-SECTIONS = ("trace_time", "nesting", "compiled", "effects", "memory", "effects_trace")
+SECTIONS = (
+    "trace_time",
+    "nesting",
+    "compiled",
+    "effects",
+    "memory",
+    "effects_trace",
+    "checks_shard_map",
+)
 RESULTS = Path(__file__).parent / "RESULTS.md"
 SECTION_TIMEOUT = 3600  # seconds; a hung section fails instead of blocking CI
 
