@@ -62,6 +62,7 @@ from jax.sharding import PartitionSpec
 from jax.tree_util import GetAttrKey
 
 from kups.effects import (
+    Handler,
     HandlerResult,
     Interpreter,
     InterpreterPolicy,
@@ -571,6 +572,34 @@ def _specs_like(value: Any, spec: tuple[Any, ...]) -> Any:
 # ---------------------------------------------------------------- reap
 
 
+def _interpreter(
+    selection: _Selection,
+    caller: str,
+    policy: InterpreterPolicy,
+    sow: Handler,
+    loops: dict[str, Handler],
+) -> Interpreter:
+    """The interpreter of a reap or plant: `sow` for the sow primitive, and the
+    `loops` handlers, which act only when a sow is inside (so control flow with
+    none is re-bound whole)."""
+    dispatcher = default_dispatcher().register_handler(_sow_p, sow)
+    for name, handler in loops.items():
+        dispatcher.register_handler(name, skip_when_untouched(handler))
+    interpreter = Interpreter(
+        dispatcher, policy=policy, label=f"kups.harvest.{caller}({selection})"
+    )
+    interpreter._policy_caller = f"{caller}(fn, policy=...)"
+
+    def acts_on(effect: Any, params: dict[str, Any]) -> bool:
+        # Whether a sow bound with `params` is one this call takes.
+        return effect is not _sow_p or (
+            params["tag"] == selection.tag and selection.takes((*params["scope"], params["name"]))
+        )
+
+    interpreter._acts_on = acts_on
+    return interpreter
+
+
 class _Reaper:
     """The handlers of one `reap` call (one tag), and what they remember for
     error messages: where each name was first sown."""
@@ -587,24 +616,13 @@ class _Reaper:
         return _describe(self.tag, path)
 
     def interpreter(self, caller: str, policy: InterpreterPolicy) -> Interpreter:
-        dispatcher = default_dispatcher()
-        dispatcher.register_handler(_sow_p, self.sow)
-        dispatcher.register_handler("scan", skip_when_untouched(self.scan))
-        dispatcher.register_handler("while", skip_when_untouched(self.while_loop))
-        dispatcher.register_handler("cond", skip_when_untouched(self.cond))
-        dispatcher.register_handler("shard_map", skip_when_untouched(self.shard_map))
-        interpreter = Interpreter(
-            dispatcher, policy=policy, label=f"kups.harvest.{caller}({self.selection})"
-        )
-        interpreter._policy_caller = f"{caller}(fn, policy=...)"
-        interpreter._acts_on = self.acts_on
-        return interpreter
-
-    def acts_on(self, effect: Any, params: dict[str, Any]) -> bool:
-        """Whether a sow bound with `params` is one this call reaps."""
-        return effect is not _sow_p or (
-            params["tag"] == self.tag and self.selection.takes((*params["scope"], params["name"]))
-        )
+        loops = {
+            "scan": self.scan,
+            "while": self.while_loop,
+            "cond": self.cond,
+            "shard_map": self.shard_map,
+        }
+        return _interpreter(self.selection, caller, policy, self.sow, loops)
 
     def result(self, ctx: _Reaped) -> dict[str, Any]:
         """The reaped values as nested dicts (a scope is a dict of its names)."""
@@ -916,23 +934,8 @@ class _Planter:
         ]
 
     def interpreter(self, caller: str, policy: InterpreterPolicy) -> Interpreter:
-        dispatcher = default_dispatcher()
-        dispatcher.register_handler(_sow_p, self.sow)
-        dispatcher.register_handler("scan", skip_when_untouched(self.scan))
-        dispatcher.register_handler("while", skip_when_untouched(self.while_loop))
-        dispatcher.register_handler("shard_map", skip_when_untouched(self.shard_map))
-        interpreter = Interpreter(
-            dispatcher, policy=policy, label=f"kups.harvest.{caller}({self.selection})"
-        )
-        interpreter._policy_caller = f"{caller}(fn, policy=...)"
-        interpreter._acts_on = self.acts_on
-        return interpreter
-
-    def acts_on(self, effect: Any, params: dict[str, Any]) -> bool:
-        """Whether a sow bound with `params` is one this call may plant into."""
-        return effect is not _sow_p or (
-            params["tag"] == self.tag and self.selection.takes((*params["scope"], params["name"]))
-        )
+        loops = {"scan": self.scan, "while": self.while_loop, "shard_map": self.shard_map}
+        return _interpreter(self.selection, caller, policy, self.sow, loops)
 
     def check_all_used(self, caller: str, values: Mapping[str, Any]) -> None:
         unused = sorted(_unused(values, self.seen))
