@@ -6,9 +6,10 @@ The program: one step of SGD on a two-layer MLP (width `WIDTH`) inside a
 of the batch (`BATCH` rows in all), computes its gradients, and `pmean`s them
 over the shards. The step checks that the loss is finite and that the gradient
 norm is below a bound; no check fails on these inputs. (The same step in a
-`lax.scan` of `STEPS` steps is also tried: checkify cannot transform it under
-`check_vma=True`, the default; nor the step on a mesh of Explicit axes. The
-section records what it raises.) The timed programs use a mesh of Auto axes.
+`lax.scan` of `STEPS` steps, and the step on a mesh of Explicit axes, are also
+tried with both; the section records what each does. Checkify cannot transform
+the scanned step under `check_vma=True`, the default.) The timed programs use a
+mesh of Auto axes.
 
 - unchecked: `jax.jit` of the program without checks.
 - kups: `jax.jit(checked(program))`, the checks written with `kups.checks.check`.
