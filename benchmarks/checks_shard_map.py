@@ -39,7 +39,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._report import Section, Table, Target, main
-from ._timing import paired, runtime_clock
+from .effects import _time
 
 STEPS, BATCH, WIDTH = 4, 1024, 256
 BOUND = 1.0  # kups' runtime over checkify's
@@ -145,20 +145,7 @@ def run(quick: bool = False) -> Section:
     )
     kups_explicit = jax.jit(checked(program(explicit, check)))(*explicit_args)[1].get() is None
 
-    def batched(fn: Callable[..., Any]) -> Callable[[], None]:
-        def go() -> None:
-            for _ in range(calls):
-                out = fn(*args)
-            jax.block_until_ready(out)
-
-        return go
-
-    timings = paired(
-        {name: batched(fn) for name, fn in variants.items()},
-        repeats,
-        warmup=2,
-        clock=runtime_clock,
-    )
+    timings = _time(variants, args, calls, repeats)
 
     kups_over = timings.ratio("kups", "unchecked")
     checkify_over = timings.ratio("checkify", "unchecked")

@@ -83,11 +83,12 @@ def trace_body(
             # The same avals but for shardings JAX's type check ignores (a new
             # context leaf made from a concrete array has no mesh; the same leaf
             # carried into a shard_map body has one): the traced body fits too.
+            # The match key holds weak types, which typematch does not compare.
             match_key = (key, ctx_spec.match_key(), tuple(map(_compat.aval_match_key, arg_avals)))
             hit = cache.get(match_key)
             if hit is not None and all(
                 map(
-                    _compat.avals_match,
+                    _compat.typematch,
                     (*hit[0].ctx_in.avals, *hit[2]),
                     (*ctx_spec.avals, *arg_avals),
                 )

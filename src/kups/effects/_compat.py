@@ -692,9 +692,10 @@ def adopt_debug_info(fn: Callable[..., Any], debug_info: Any) -> None:
 
 
 def aval_match_key(aval: Any) -> Any:
-    """`aval` without its sharding: what `avals_match` always compares (shape,
-    dtype, weak type, manual axis types, memory space; the layout, where avals
-    carry one). Avals of other kinds are their own key."""
+    """`aval` without its sharding: what `typematch` always compares (shape,
+    dtype, manual axis types, memory space), with the weak type (which decides
+    type promotion) and the layout, where avals carry one. Avals of other kinds
+    are their own key."""
     if not isinstance(aval, _core.ShapedArray):
         return aval
     return (
@@ -703,14 +704,12 @@ def aval_match_key(aval: Any) -> Any:
         aval.dtype,
         aval.weak_type,
         getattr(aval, "mat", None),
-        getattr(aval, "vma", None),
         getattr(aval, "memory_space", None),
         getattr(aval, "layout", None),
     )
 
 
-def avals_match(a: Any, b: Any) -> bool:
-    """Whether a value of aval `b` may go where JAX expects aval `a`: JAX's
-    `typematch` (which compares shardings only when both carry a mesh and one has
-    an explicit axis), with equal weak types (which decide type promotion)."""
-    return getattr(a, "weak_type", None) == getattr(b, "weak_type", None) and _core.typematch(a, b)
+def typematch(a: Any, b: Any) -> bool:
+    """JAX's type check between avals: it compares shardings only when both carry
+    a mesh and one of them has an explicit axis."""
+    return _core.typematch(a, b)
