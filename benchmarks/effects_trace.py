@@ -19,11 +19,12 @@ On two kinds of program (`benchmarks/_programs.py`):
   fresh closures at each trace (JAX's caches never hit for them; those of the
   `jnp` functions hit, as in any program).
 - straight-line `lax` (`straight_line_handled`): one raw `lax` call per
-  equation, with the `cumsum` and the sow at the top level. Here every top-level
-  equation must be walked and re-bound, so its floor is shown beside it:
-  tracing `f` and then re-binding its jaxpr with `jax.core.eval_jaxpr` (which
-  re-binds a control-flow equation whole, without walking its body: on the jnp
-  model it is the cost of an interpreter that walks only the top level).
+  equation, with the `cumsum` and the sow at the top level. Here the top level
+  must be walked, so the floor of an interpreter that re-binds every equation is
+  shown beside it: tracing `f` and then re-binding its jaxpr with
+  `jax.core.eval_jaxpr` (which re-binds a control-flow equation whole, without
+  walking its body: on the jnp model it is the cost of an interpreter that walks
+  only the top level).
 
 `eqns` counts the equations into every sub-program (`count_eqns`). A peer
 column measures Oryx's harvest (`oryx.core.reap` on the same programs, sowing
@@ -240,18 +241,20 @@ def run(quick: bool = False) -> Section:
 def _notes(oryx_status: str) -> list[str]:
     return [
         "**What bounds the straight-line rows.** With the handled primitive at the "
-        "top level, every top-level equation must be walked and re-bound through "
-        "JAX's `bind`: that is what the `eval_jaxpr floor` column measures (tracing "
-        "`f`, then `jax.core.eval_jaxpr` on its jaxpr, with no context and no "
-        "handler). Re-binding an equation costs more than the `lax` call that staged "
-        "it (about 1.3x: `bind` goes through the same staging, plus the equation's "
-        "source-info and context managers and its bind parameters), so the floor "
-        "itself is about 2.3x tracing `f`, above the 1.5 of the target: no "
-        "interpreter that re-binds equation by equation can meet it. kups' own cost "
-        "is the distance between its column and the floor (a few percent at 16k "
-        "equations: the walking plan, the skip list and, for `reap`, the check for "
-        "library primitives holding Python functions, each one pass over the "
-        "equations).",
+        "top level, the top-level jaxpr must be walked. Re-binding each of its "
+        "equations through JAX's `bind` is what the `eval_jaxpr floor` column "
+        "measures: above 2x tracing `f`, since re-binding an equation costs more than "
+        "the `lax` call that staged it (the same staging, plus the equation's "
+        "source-info and context managers and its bind parameters). kups does not "
+        "re-bind them one by one: while staging, each run of at least 16 equations "
+        "that no handler touches is bound as one `jit` call holding the traced "
+        "equations (`kups_untouched`; `untouched_runs` in "
+        "`src/kups/effects/_untouched.py`), so the walk costs a few binds. What is left "
+        "above tracing `f` is kups' own passes over the equations (the walking plan, "
+        "the split into runs and building each run's jaxpr, and, for `reap`, the check "
+        "for library primitives holding Python functions), linear in the equations. "
+        "The compiled program is unchanged: XLA inlines the calls "
+        "(`tests/test_interpreter.py` compares the optimized HLO).",
         "**What reap walks on the jnp model.** An equation is re-bound whole, "
         "without walking its body, when nothing inside goes to a handler other than "
         "a default control-flow one or one marked `skip_when_untouched` "

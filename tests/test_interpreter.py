@@ -1,9 +1,11 @@
 """The interpreter's walk: source info, name stacks, freeing values, consts,
 literals and dropped outputs."""
 
+import contextlib
 import functools
 import gc
 import inspect
+import re
 import sys
 import traceback
 import warnings
@@ -625,3 +627,144 @@ def test_skip_when_untouched_keeps_the_handler_and_refuses_what_is_not_one():
     assert marked.__wrapped__ is count_handler and "count_handler" in repr(marked)
     with pytest.raises(TypeError, match="skip_when_untouched needs a handler"):
         skip_when_untouched("scan")
+
+
+# ---------------------------------------------------------------------------
+# Runs of equations no handler touches, staged as one call
+# ---------------------------------------------------------------------------
+
+
+def _chain(x, n=24):
+    """`n` equations, one `lax` call each."""
+    for i in range(n):
+        x = lax.sin(x) if i % 3 == 0 else (lax.mul(x, x) if i % 3 == 1 else lax.add(x, 1.5))
+    return x
+
+
+def _runs_program(x):
+    return _chain(lax.cumsum(_chain(x)))
+
+
+def _rebind(interpreter, ctx, eqn, invals):
+    """Touches its equation (it is the user's), and leaves the context as it is."""
+    return default_primitive_handler(interpreter, ctx, eqn, invals)
+
+
+def _untouched_calls(jaxpr):
+    return [e for e in jaxpr.eqns if e.params.get("name") == "kups_untouched"]
+
+
+def _names(jaxpr):
+    return [e.primitive.name for e in jaxpr.eqns]
+
+
+def _hlo_ops(fn, *args):
+    """The opcodes of `fn`'s optimized HLO, in order (names and metadata left out)."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    entry = text[text.index("ENTRY") :]
+    return re.findall(r"= \S+ ([a-z][a-z0-9\-]*)\(", entry)
+
+
+def test_a_long_run_no_handler_touches_is_staged_as_one_call():
+    interpreted = reinterpret(
+        _runs_program, Interpreter(default_dispatcher().register_handler("cumsum", _rebind))
+    )
+    staged = jax.make_jaxpr(interpreted)(None, X)
+    calls = _untouched_calls(staged)
+    # Before and after the handled cumsum: one call each, holding the user's
+    # equations as they were traced.
+    assert _names(staged) == [calls[0].primitive.name, "cumsum", calls[0].primitive.name]
+    plain = jax.make_jaxpr(_runs_program)(X)
+    inner = [next(iter(jaxprs_in_params(call.params))) for call in calls]
+    assert [*_names(inner[0]), "cumsum", *_names(inner[1])] == _names(plain)
+    assert [e.source_info.traceback.frames[0].line_num for e in inner[0].eqns] == [
+        e.source_info.traceback.frames[0].line_num for e in plain.jaxpr.eqns[:24]
+    ]
+    # XLA inlines the calls: the compiled program is the user's, bit for bit.
+    assert _hlo_ops(lambda x: interpreted(None, x)[0], X) == _hlo_ops(_runs_program, X)
+    np.testing.assert_array_equal(jax.jit(interpreted)(None, X)[0], jax.jit(_runs_program)(X))
+    # Transformations see through the calls.
+    np.testing.assert_array_equal(
+        jax.jit(jax.vmap(lambda x: interpreted(None, x)[0]))(X[None]),
+        jax.jit(jax.vmap(_runs_program))(X[None]),
+    )
+    np.testing.assert_array_equal(
+        jax.jit(jax.grad(lambda x: interpreted(None, x)[0].sum()))(X),
+        jax.jit(jax.grad(lambda x: _runs_program(x).sum()))(X),
+    )
+
+
+def test_the_context_threads_past_staged_runs():
+    interpreted = reinterpret(
+        _runs_program, Interpreter(default_dispatcher().register_handler("cumsum", count_handler))
+    )
+    out, count = jax.jit(interpreted)(0, X)
+    assert int(count) == 1
+    np.testing.assert_array_equal(out, jax.jit(_runs_program)(X))
+
+
+def test_runs_are_not_staged_in_an_identity_interpretation_nor_eagerly(monkeypatch):
+    identity = reinterpret(_runs_program, Interpreter(default_dispatcher()))
+    assert _names(jax.make_jaxpr(identity)(None, X)) == _names(jax.make_jaxpr(_runs_program)(X))
+    # Eagerly, each equation runs on its own, as in the user's program.
+    from kups.effects import _compat
+
+    calls = []
+    monkeypatch.setattr(_compat, "call_jaxpr", lambda *a: calls.append(a) or [])
+    interpreted = reinterpret(
+        _runs_program, Interpreter(default_dispatcher().register_handler("cumsum", _rebind))
+    )
+    np.testing.assert_array_equal(interpreted(None, X)[0], _runs_program(X))
+    assert calls == []
+
+
+def test_runs_stop_at_effects_and_short_ones_are_rebound():
+    def program(x):
+        x = _chain(x, 20)
+        jax.debug.callback(lambda v: None, x, ordered=True)
+        x = lax.cumsum(_chain(x, 20))
+        return _chain(x, 4)  # too short to be worth a call
+
+    interpreted = reinterpret(
+        program, Interpreter(default_dispatcher().register_handler("cumsum", _rebind))
+    )
+    staged = jax.make_jaxpr(interpreted)(None, X)
+    jit_name = _untouched_calls(staged)[0].primitive.name
+    assert _names(staged) == [
+        jit_name,
+        "debug_callback",
+        jit_name,
+        "cumsum",
+        *_names(jax.make_jaxpr(lambda x: _chain(x, 4))(X)),
+    ]
+    np.testing.assert_array_equal(jax.jit(interpreted)(None, X)[0], jax.jit(program)(X))
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_runs_inside_shard_map_and_under_a_mesh(axis_type):
+    kind = jax.sharding.AxisType.Explicit if axis_type == "explicit" else jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh((8,), ("i",), axis_types=(kind,))
+    P = jax.sharding.PartitionSpec
+
+    def body(x):
+        return _runs_program(x) * lax.axis_index("i")
+
+    def program(x):
+        x = jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))(x)
+        # Across the sharded axis, not along it (Explicit sharding forbids that).
+        return _chain(lax.cumsum(_chain(x.reshape(8, 2)), axis=1))
+
+    x = jax.device_put(jnp.linspace(-1.0, 1.0, 16), jax.NamedSharding(mesh, P("i")))
+    interpreted = reinterpret(
+        program, Interpreter(default_dispatcher().register_handler("cumsum", count_handler))
+    )
+    with jax.set_mesh(mesh) if axis_type == "explicit" else contextlib.nullcontext():
+        out, count = jax.jit(interpreted)(0, x)
+        expected = jax.jit(program)(x)
+        staged = jax.make_jaxpr(interpreted)(0, x)
+    assert int(count) == 2  # one cumsum in the body (the same on every shard), one after
+    np.testing.assert_array_equal(out, expected)
+    assert out.sharding.is_equivalent_to(expected.sharding, 1)
+    assert len(_untouched_calls(staged)) == 2
+    (shard_map,) = [e for e in staged.eqns if e.primitive.name == "shard_map"]
+    assert len(_untouched_calls(next(iter(jaxprs_in_params(shard_map.params))))) == 2

@@ -8,6 +8,7 @@ kups imports only public JAX and this module.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -562,6 +563,41 @@ def jaxpr_like(original: Jaxpr | ClosedJaxpr, jaxpr: Jaxpr) -> Jaxpr | ClosedJax
     if isinstance(original, ClosedJaxpr):
         return new_closed_jaxpr(jaxpr, ())
     return jaxpr
+
+
+def new_jaxpr(
+    invars: Sequence[Var], outvars: Sequence[Var], eqns: Sequence[JaxprEqn], name: str
+) -> Jaxpr:
+    """A const-free, effect-free jaxpr of existing equations, described as `name`."""
+    info = _lu.DebugInfo("kups", name, ("",) * len(invars), ("",) * len(outvars))
+    return Jaxpr((), list(invars), list(outvars), list(eqns), _core.no_effects, info)
+
+
+@functools.cache
+def _call_template() -> JaxprEqn:
+    """A `jit` equation with two inputs and three outputs, whose parameters
+    `call_jaxpr` adapts (traced once, so that no parameter name is spelled here)."""
+    return jax.make_jaxpr(jax.jit(lambda a, b: (a, a + b, b)))(1.0, 2.0).eqns[0]
+
+
+def call_jaxpr(jaxpr: Jaxpr, invals: Sequence[Any], name: str) -> list[Any]:
+    """Binds a const-free, effect-free `jaxpr` as one `jit` equation named `name`,
+    with no sharding, layout or donation of its own, in the abstract mesh in
+    effect (the `jit` primitive's parameters are those of JAX 0.10 to 0.12)."""
+    template = _call_template()
+    n_in, n_out = len(jaxpr.invars), len(jaxpr.outvars)
+    params: dict[str, Any] = {}
+    for key, value in template.params.items():
+        if isinstance(value, tuple) and len(value) == 2:  # one entry per input
+            value = (value[0],) * n_in
+        elif isinstance(value, tuple) and len(value) == 3:  # one entry per output
+            value = (value[0],) * n_out
+        params[key] = value
+    params["jaxpr"] = jaxpr_like(template.params["jaxpr"], jaxpr)
+    params["name"] = name
+    if "ctx_mesh" in params:
+        params["ctx_mesh"] = current_mesh()
+    return list(template.primitive.bind(*invals, **params))
 
 
 def open_jaxpr(jaxpr: Jaxpr | ClosedJaxpr) -> tuple[Jaxpr, Sequence[Any]]:

@@ -17,7 +17,14 @@ from ._effect import EFFECT_NAMES, UNSEEN, LostEffectError, seen
 from ._matching import contains_subjaxprs, holds_functions, is_control_flow
 from ._traceback import api_boundary
 from ._types import InterpreterPolicy
-from ._untouched import Handled, handled_names, skipped_equations, touched_inside
+from ._untouched import (
+    RUN_NAME,
+    Handled,
+    handled_names,
+    skipped_equations,
+    touched_inside,
+    untouched_runs,
+)
 
 # Per jaxpr, its walking plan: for each equation, whether it is control flow and
 # the variables whose last use it is (freed after it runs).
@@ -187,9 +194,13 @@ class Interpreter:
         user_context = _compat.user_context
         outer_name_stack = _compat.current_name_stack()
         bind = _compat.bind_equation
+        aval_of = _compat.aval_of
         # Control flow that no handler touches is re-bound whole (see _untouched).
         plan = _plan(jaxpr)
         skips = skipped_equations(jaxpr, self._handled, plan)
+        # Staged, a long run of equations no handler touches is bound as one call.
+        runs = untouched_runs(jaxpr, self._handled, plan, skips) if _compat.is_staging() else None
+        resume = 0
         # When this interpreter handles effects, an equation bound unchanged may run
         # Python code that binds one unseen (a library primitive holding a function).
         watch_effects = not EFFECT_NAMES.isdisjoint(handlers)
@@ -199,6 +210,23 @@ class Interpreter:
         start_mesh = ctx_mesh = _compat.current_mesh()
         home_mesh = None
         for index, (eqn, control_flow, free) in enumerate(plan):
+            if index < resume:
+                continue
+            if runs is not None and index in runs:
+                run = runs[index]
+                invals = [env[v] for v in run.jaxpr.invars]
+                if all(aval_of(x) == v.aval for x, v in zip(invals, run.jaxpr.invars)):
+                    with (
+                        user_context(eqn.source_info.traceback, name_stack=outer_name_stack),
+                        eqn.ctx.manager,
+                    ):
+                        outvals = _compat.call_jaxpr(run.jaxpr, invals, RUN_NAME)
+                    env.update(zip(run.jaxpr.outvars, outvals, strict=True))
+                    del outvals
+                    for v in run.free:
+                        env.pop(v, None)
+                    resume = run.end
+                    continue
             eqn_mesh = _compat.equation_mesh(eqn)
             if eqn_mesh is not ctx_mesh and eqn_mesh != ctx_mesh:
                 if home_mesh is None:

@@ -184,3 +184,90 @@ def touched_inside(eqn: Any, touching: frozenset[str]) -> set[str]:
             if is_control_flow(inner):
                 found |= touched_inside(inner, touching)
     return found
+
+
+# Runs of untouched equations shorter than this are re-bound one by one: a run
+# bound as one call costs about as much as re-binding a few equations.
+MIN_RUN = 16
+RUN_NAME = "kups_untouched"
+
+
+class Run(NamedTuple):
+    """Equations `start` to `end` (excluded) of a jaxpr, that no handler touches,
+    as one const-free jaxpr: `jaxpr.invars` are defined before the run and read
+    in it, `jaxpr.outvars` defined in it and read after it; `free` are the
+    variables whose last use is in the run."""
+
+    end: int
+    jaxpr: Jaxpr
+    free: list[Any]
+
+
+_RUNS: weakref.WeakKeyDictionary[Jaxpr, dict[Handled, dict[int, Run] | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def untouched_runs(
+    jaxpr: Jaxpr,
+    handled: Handled | None,
+    plan: Sequence[tuple[Any, bool, list[Any]]],
+    skips: Sequence[bool] | None,
+) -> dict[int, Run] | None:
+    """The runs of at least `MIN_RUN` consecutive equations of `jaxpr` that no
+    handler touches, by first index: equations without effects, re-bound as they
+    are, under the same equation context (mesh, compute type). When staged, the
+    interpreter binds each run as one `jit` call instead of re-binding its
+    equations one by one (the compiled program is the same: XLA inlines the call).
+
+    `None` when nothing may be skipped (a fallback or a matching rule decides per
+    equation), and when no equation of `jaxpr` is touched: then the interpreter's
+    walk re-binds it as it is, which keeps an identity interpretation exactly the
+    user's jaxpr."""
+    if handled is None or skips is None:
+        return None
+    per_jaxpr = _RUNS.setdefault(jaxpr, {})
+    if handled in per_jaxpr:
+        return per_jaxpr[handled]
+    plain = [
+        not eqn.effects and (skips[i] if control_flow else _eqn_untouched(eqn, handled))
+        for i, (eqn, control_flow, _) in enumerate(plan)
+    ]
+    runs: dict[int, Run] | None = None
+    if not all(plain):
+        runs = {}
+        start = 0
+        while start < len(plan):
+            end = start
+            if plain[start]:
+                context = plan[start][0].ctx
+                while end < len(plan) and plain[end]:
+                    ctx = plan[end][0].ctx
+                    if ctx is not context and ctx != context:
+                        break
+                    end += 1
+            if end - start >= MIN_RUN:
+                runs[start] = _run(plan[start:end], end)
+            start = max(end, start + 1)
+    per_jaxpr[handled] = runs
+    return runs
+
+
+def _run(plan: Sequence[tuple[Any, bool, list[Any]]], end: int) -> Run:
+    """The run of `plan`'s equations (a slice of the interpreter's plan, whose
+    last entry is equation `end - 1`): its outputs are the variables it defines
+    whose last use is not in it."""
+    eqns = [eqn for eqn, _, _ in plan]
+    free = [v for _, _, frees in plan for v in frees]
+    last_used_here = set(free)
+    defined: set[Any] = set()
+    invars: dict[Any, None] = {}
+    outvars: list[Any] = []
+    is_var = _compat.is_var
+    for eqn in eqns:
+        for v in eqn.invars:
+            if is_var(v) and v not in defined:
+                invars[v] = None
+        defined.update(eqn.outvars)
+        outvars += [v for v in eqn.outvars if v not in last_used_here]
+    return Run(end, _compat.new_jaxpr(list(invars), outvars, eqns, RUN_NAME), free)
