@@ -244,6 +244,23 @@ def test_value_reaped_in_auto_axes_meets_the_programs_arrays(how):
     np.testing.assert_allclose(total, plain_region_value(*args) + np.asarray(args[0]), rtol=1e-6)
 
 
+def test_value_reaped_in_auto_axes_meets_arrays_after_a_staged_run():
+    # After the region, enough equations for the interpreter to stage them as one
+    # call: the reaped value is still typed for the program's mesh.
+    def program(x, w):
+        y = auto_program(x, w)
+        for _ in range(20):
+            y = jnp.sin(y) * 0.5
+        return y
+
+    args = auto_args(0.5)
+    staged = jax.make_jaxpr(reap(program, tag="t"))(*args)
+    assert any(e.params.get("name") == "kups_untouched" for e in staged.eqns)
+    _, reaped = jax.jit(reap(program, tag="t"))(*args)
+    total = reaped["in_auto"] + args[0]
+    np.testing.assert_allclose(total, plain_region_value(*args) + np.asarray(args[0]), rtol=1e-6)
+
+
 # ---------------------------------------------------------------------------
 # instrument: count_primitives against an independent walk of the jaxpr
 # ---------------------------------------------------------------------------

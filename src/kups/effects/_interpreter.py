@@ -212,6 +212,17 @@ class Interpreter:
         for index, (eqn, control_flow, free) in enumerate(plan):
             if index < resume:
                 continue
+            eqn_mesh = _compat.equation_mesh(eqn)
+            if eqn_mesh is not ctx_mesh and eqn_mesh != ctx_mesh:
+                if home_mesh is None:
+                    home_mesh = ctx_mesh if not ctx_mesh.empty else _typed_mesh(ctx)
+                target = eqn_mesh
+                if eqn_mesh.empty:  # type the context like the values it meets here
+                    target = _compat.values_mesh(eqn) or home_mesh
+                ctx = _retyped(ctx, target)
+                ctx_mesh = eqn_mesh
+            # A run's equations share one equation context, hence one mesh: the
+            # context was retyped above as it would be for each of them.
             if runs is not None and index in runs:
                 run = runs[index]
                 invals = [env[v] for v in run.jaxpr.invars]
@@ -227,15 +238,6 @@ class Interpreter:
                         env.pop(v, None)
                     resume = run.end
                     continue
-            eqn_mesh = _compat.equation_mesh(eqn)
-            if eqn_mesh is not ctx_mesh and eqn_mesh != ctx_mesh:
-                if home_mesh is None:
-                    home_mesh = ctx_mesh if not ctx_mesh.empty else _typed_mesh(ctx)
-                target = eqn_mesh
-                if eqn_mesh.empty:  # type the context like the values it meets here
-                    target = _compat.values_mesh(eqn) or home_mesh
-                ctx = _retyped(ctx, target)
-                ctx_mesh = eqn_mesh
             invals = [v.val if is_literal(v) else env[v] for v in eqn.invars]  # pyright: ignore[reportAttributeAccessIssue]
             handler = handlers.get(eqn.primitive.name)
             source_info = eqn.source_info
