@@ -85,6 +85,11 @@ class Interpreter:
     stack. A control-flow equation that no handler takes is governed by `policy`.
     Values are freed as soon as their last use has run.
 
+    Control flow whose sub-programs no handler touches is re-bound whole, without
+    walking it. While staging, a run of at least 16 equations no handler touches
+    is bound as one `jit` call named `kups_untouched` holding those equations
+    (XLA inlines it; see "Runs no handler touches" in the control-flow docs).
+
     **Arguments:**
 
     - `dispatcher`: which handler takes which primitive.
