@@ -193,10 +193,11 @@ RUN_NAME = "kups_untouched"
 
 
 class Run(NamedTuple):
-    """Equations `start` to `end` (excluded) of a jaxpr, that no handler touches,
-    as one const-free jaxpr: `jaxpr.invars` are defined before the run and read
-    in it, `jaxpr.outvars` defined in it and read after it; `free` are the
-    variables whose last use is in the run."""
+    """A run of equations of a jaxpr that no handler touches (from the index it is
+    filed under in `untouched_runs` to `end`, excluded), as one const-free jaxpr:
+    `jaxpr.invars` are defined before the run and read in it, `jaxpr.outvars`
+    defined in it and read after it; `free` are the variables whose last use is
+    in the run."""
 
     end: int
     jaxpr: Jaxpr
