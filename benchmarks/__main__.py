@@ -26,6 +26,7 @@ SECTIONS = (
     "memory",
     "effects_trace",
     "checks_shard_map",
+    "nans",
 )
 RESULTS = Path(__file__).parent / "RESULTS.md"
 SECTION_TIMEOUT = 3600  # seconds; a hung section fails instead of blocking CI

@@ -171,6 +171,8 @@ def run(quick: bool = False) -> Section:
         rows,
     )
     reaching_ok = reports["find_nans reaching"] == f"sqrt, nan, iteration {BAD_STEP}"
+    report_ratio = to_report.ratio("find_nans reaching", "checkify nan_checks")
+    runtime_ratio = runtime.ratio("find_nans reaching", "checkify nan_checks")
     targets = [
         Target(
             "find_nans reaching reports the NaN of step 37 (sqrt)",
@@ -178,6 +180,15 @@ def run(quick: bool = False) -> Section:
             "yes",
             reaching_ok,
             reports["find_nans reaching"],
+        ),
+        Target(
+            "time to the report (trace+compile+run): reaching / checkify",
+            report_ratio,
+            "<= 1",
+            report_ratio <= 1.0,
+        ),
+        Target(
+            "compiled runtime: reaching / checkify", runtime_ratio, "<= 1", runtime_ratio <= 1.0
         ),
         Target(
             "scan-body equations: reaching / first",
