@@ -306,3 +306,93 @@ def test_condition_changing_context_inside_jit_is_still_an_error():
 
     with pytest.raises(ValueError, match="changes the context"):
         reinterpret(fn, interpreter_with(count_sin))(jnp.int32(0), jnp.ones(2))
+
+
+# ---------------------------------------------------------------- batched predicate
+
+
+def sin_in_condition_vmapped():
+    """`sin_in_condition` under `vmap` over starting points that need different
+    numbers of trips: the staged `while` has a batched predicate (`bool[3]`)."""
+    return jax.vmap(sin_in_condition), jnp.array([0.0, 0.6, 1.5], jnp.float32)
+
+
+def test_vmapped_loop_has_a_batched_predicate():
+    f, xs = sin_in_condition_vmapped()
+    (eqn,) = [e for e in jax.make_jaxpr(f)(xs).jaxpr.eqns if e.primitive.name == "while"]
+    assert eqn.params["cond_jaxpr"].out_avals[0].shape == (3,)
+
+
+def count_mul(interpreter, ctx, eqn, invals):
+    return HandlerResult(ctx + 1, [lax.mul(*invals)])
+
+
+@pytest.mark.parametrize(
+    ("thread_condition", "name", "handler"),
+    [(False, "mul", count_mul), (True, "sin", count_sin)],
+)
+def test_batched_predicate_matches_vmap_bit_for_bit(thread_condition, name, handler):
+    # Each element stops at its own trip; the loop runs as long as the longest,
+    # and the context counts the trips the loop ran (the longest one's).
+    f, xs = sin_in_condition_vmapped()
+    trips = [0, 0, 0]
+    for i, x0 in enumerate([0.0, 0.6, 1.5]):
+        x = np.float32(x0)
+        while np.sin(x) < 0.9:
+            x = x + np.float32(0.25)
+            trips[i] += 1
+    assert len(set(trips)) > 1
+    dispatcher = default_dispatcher().register_handler(name, handler)
+    if thread_condition:
+        dispatcher.register_handler(
+            "while", functools.partial(default_while_handler, thread_condition=True)
+        )
+    interpreter = Interpreter(dispatcher)
+    for transform in (lambda g: g, jax.jit):
+        (x, n), ctx = transform(reinterpret(f, interpreter))(0, xs)
+        want_x, want_n = transform(f)(xs)
+        np.testing.assert_array_equal(x, want_x)
+        np.testing.assert_array_equal(n, want_n)
+        assert n.tolist() == trips
+        # `mul` runs once per trip, in the body; `sin` once per trip in the body
+        # and once per test of the condition (trips + 1).
+        assert int(ctx) == (2 * max(trips) + 1 if thread_condition else max(trips))
+
+
+def test_effects_on_a_loop_with_a_batched_predicate():
+    # Every effect threads its context through a vmapped loop whose condition
+    # depends on the data; before, carrying the context crashed in JAX's lowering.
+    from kups.checks import check, checked
+    from kups.debug import find_nans
+    from kups.harvest import reap, sow
+    from kups.instrument import count_primitives
+
+    def f(x):
+        def cond(state):
+            check(state[0] < 100.0, "x stays below 100")
+            return jnp.sin(state[0]) < 0.9
+
+        def body(state):
+            x = sow(state[0], tag="t", name="x", mode="clobber", init=-1.0)
+            return x + 0.25, state[1] + 1
+
+        return lax.while_loop(cond, body, (x, jnp.int32(0)))
+
+    g = jax.vmap(f)
+    xs = jnp.array([0.0, 0.6, 1.5], jnp.float32)
+    want = g(xs)
+    assert want[1].tolist() == [5, 3, 0]
+    for transform in (lambda h: h, jax.jit):
+        for wrap in (checked, find_nans, lambda h: find_nans(h, report="first"), count_primitives):
+            out, result = transform(wrap(g))(xs)
+            for got, expected in zip(out, want, strict=True):
+                np.testing.assert_array_equal(got, expected)
+            assert not getattr(result, "found", False)
+        out, reaped = transform(reap(g, tag="t"))(xs)
+        # The body ran five times for all three elements: an element that had
+        # stopped was sown with its final value (see docs/sharp-bits.md); the
+        # one that ran five trips, with its value before the last.
+        final = np.asarray(want[0])
+        np.testing.assert_array_equal(reaped["x"], [final[0] - np.float32(0.25), *final[1:]])
+    counts = count_primitives(g)(xs)[1]
+    assert counts["sin"] == 6  # the condition: five trips, plus the first test

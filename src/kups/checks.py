@@ -65,6 +65,7 @@ from kups.effects import (
     varying_axes,
     wraps_with_leading,
 )
+from kups.effects.handlers._while import while_with_predicate
 
 __all__ = [
     "CheckFailed",
@@ -1020,16 +1021,14 @@ def _while_checking_condition(
         (pred,), ctx = interpreter(params["cond_jaxpr"], ctx, *cond_consts, *carry)
         return pred, ctx
 
-    def body(state: tuple[Any, _Ctx, list[Any]]) -> tuple[Any, _Ctx, list[Any]]:
-        _, ctx, carry = state
+    def step(ctx: _Ctx, carry: list[Any]) -> tuple[Any, _Ctx, list[Any]]:
         carry, ctx = interpreter(params["body_jaxpr"], ctx, *body_consts, *carry)
         ctx = _advance(1, ctx, ctx)
         pred, ctx = condition(ctx, carry)
         return pred, ctx, carry
 
     pred, ctx = condition(ctx, init)
-    _, ctx, outvals = lax.while_loop(lambda state: state[0], body, (pred, ctx, list(init)))
-    return ctx, list(outvals)
+    return while_with_predicate(pred, ctx, list(init), step)
 
 
 def _cond_handler(

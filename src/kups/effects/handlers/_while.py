@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -84,6 +85,11 @@ def default_while_handler(
         new_body = invariant_ctx_first(new_body, num_body_consts, invariant, is_body=True)
     invariant_values = [v for v, inv in zip(ctx_values, invariant, strict=True) if inv]
     carried_values = [v for v, inv in zip(ctx_values, invariant, strict=True) if not inv]
+    if carried_values and _batched_predicate(eqn):
+        # Under `vmap`, JAX's `while` with a batched predicate needs every carry
+        # batched; the context is not. Carry the predicate instead (the condition
+        # leaves the context as it is, as checked above).
+        return _while_threading_condition(interpreter, ctx, eqn, invals, initializer, updater)
     new_params = dict(
         params,
         cond_jaxpr=_compat.new_closed_jaxpr(new_cond, ()),
@@ -111,6 +117,12 @@ def default_while_handler(
         v if inv else next(carried_out) for v, inv in zip(ctx_values, invariant, strict=True)
     ]
     return HandlerResult(body.ctx_out.unflatten(ctx_out), out[num_carried:])
+
+
+def _batched_predicate(eqn: JaxprEqn) -> bool:
+    """Whether the loop's condition returns a batched predicate (see
+    `while_with_predicate`)."""
+    return bool(eqn.params["cond_jaxpr"].out_avals[0].shape)
 
 
 def _check_condition_keeps_ctx(eqn: JaxprEqn, spec: CtxSpec, cond: TracedBody) -> None:
@@ -187,12 +199,53 @@ def _while_threading_condition(
         )
     ctx_values, (pred,) = cond.call(ctx_values, [*consts[:num_cond_consts], *init])
 
-    def loop_body(state: tuple[Any, list[Any], list[Any]]) -> tuple[Any, list[Any], list[Any]]:
-        _, ctx_values, carry = state
+    def iterate(ctx_values: Any, carry: list[Any]) -> tuple[Any, Any, list[Any]]:
         ctx_values, (pred, *carry) = body.call(ctx_values, [*consts, *carry])
         return pred, ctx_values, carry
 
-    _, ctx_values, out = jax.lax.while_loop(
-        lambda state: state[0], loop_body, (pred, ctx_values, list(init))
-    )
-    return HandlerResult(body.ctx_out.unflatten(ctx_values), list(out))
+    ctx_values, out = while_with_predicate(pred, ctx_values, list(init), iterate)
+    return HandlerResult(body.ctx_out.unflatten(ctx_values), out)
+
+
+Step = Callable[[Any, list[Any]], tuple[Any, Any, list[Any]]]
+
+
+def while_with_predicate(
+    pred: Any, ctx: Any, carry: list[Any], step: Step
+) -> tuple[Any, list[Any]]:
+    """Runs `pred, ctx, carry = step(ctx, carry)` while `pred` holds, the predicate
+    carried: `(ctx, carry)` at the end.
+
+    A `while` equation's condition may return a batched predicate (an array of
+    booleans over leading batch dimensions of every carry, as `vmap` of a loop
+    with a data-dependent condition stages it). Then, as in JAX, the loop runs
+    while any element's predicate holds, and an element whose predicate is false
+    keeps its carry; the context goes through every iteration the loop runs.
+    """
+    if jax.numpy.ndim(pred) == 0:
+
+        def body(state: tuple[Any, Any, list[Any]]) -> tuple[Any, Any, list[Any]]:
+            _, ctx, carry = state
+            return step(ctx, carry)
+
+        _, ctx, out = jax.lax.while_loop(lambda state: state[0], body, (pred, ctx, carry))
+        return ctx, list(out)
+
+    def batched_body(state: tuple[Any, Any, list[Any]]) -> tuple[Any, Any, list[Any]]:
+        running, ctx, carry = state
+        pred, ctx, new = step(ctx, carry)
+        new = [_where_running(running, n, c) for n, c in zip(new, carry, strict=True)]
+        return jax.lax.bitwise_and(running, pred), ctx, new
+
+    def any_running(state: tuple[Any, Any, list[Any]]) -> Any:
+        running = state[0]
+        return jax.lax.reduce_or(running, tuple(range(running.ndim)))
+
+    _, ctx, out = jax.lax.while_loop(any_running, batched_body, (pred, ctx, carry))
+    return ctx, list(out)
+
+
+def _where_running(running: Any, new: Any, old: Any) -> Any:
+    """`new` where the batch element is still running, else `old`."""
+    mask = jax.lax.broadcast_in_dim(running, jax.numpy.shape(new), tuple(range(running.ndim)))
+    return jax.lax.select(mask, new, old)
