@@ -656,3 +656,47 @@ def test_grad_with_per_shard_float_ctx(mesh42):
     grad, ctx = jax.grad(loss, has_aux=True)(X)
     np.testing.assert_allclose(grad, jax.grad(lambda x: jnp.sum(f(x)))(X), rtol=1e-5)
     np.testing.assert_allclose(ctx["seen"], block_sums(X, 2, 1))
+
+
+# ------------------------------------------- equations staged under the outer mesh
+
+
+def count_every_equation(interpreter, ctx, eqn, invals):
+    outs = _compat.bind_equation(eqn.primitive, eqn.params, invals)
+    return HandlerResult(ctx + 1, outs)
+
+
+@pytest.mark.xfail(
+    _compat.JAX_VERSION < (0, 11),
+    strict=True,
+    reason="JAX 0.10 types these zeros for the enclosing mesh, inside the manual body: a "
+    "handler's operation on the context there is rejected by JAX's mesh check",
+)
+@pytest.mark.parametrize("batched", [False, True])
+def test_gradient_of_an_unused_closed_over_value_in_a_body(mesh8, batched):
+    # `value_and_grad` inside the body, of a value the body closes over: JAX 0.12
+    # stages the zeros of its gradient under the enclosing (not manual) mesh. A
+    # handler updating the context there still works.
+    def loss(params, batch):
+        return jnp.sum(batch) + (jnp.sum(params) if batched else 0.0)
+
+    def update(params, batch):
+        def grad_fn(batch):
+            return jax.value_and_grad(loss)(params, batch)
+
+        body = jax.vmap(grad_fn) if batched else grad_fn
+        spec = P("i") if batched else P()
+        return jax.shard_map(body, mesh=mesh8, in_specs=P("i"), out_specs=spec, check_vma=False)(
+            batch
+        )
+
+    # Arrays placed on the mesh: the program is traced under it (an Auto mesh).
+    params = batch = jax.device_put(
+        jnp.arange(32.0).reshape(8, 4), jax.sharding.NamedSharding(mesh8, P())
+    )
+    interpreter = Interpreter(default_dispatcher().register_fallback_handler(count_every_equation))
+    want = jax.jit(update)(params, batch)
+    out, count = jax.jit(reinterpret(update, interpreter))(jnp.int32(0), params, batch)
+    for got, expected in zip(jax.tree.leaves(out), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(got, expected)
+    assert int(count) > 0

@@ -426,6 +426,30 @@ def current_mesh() -> Any:
     return jax.sharding.get_abstract_mesh()
 
 
+def drops_manual_axes(eqn_mesh: Any, mesh: Any) -> bool:
+    """Whether `eqn_mesh` is `mesh` with some of its Manual axes not Manual: an
+    equation JAX staged inside a `shard_map` body under the enclosing mesh (the
+    zeros of the gradient of a value the body closes over). From JAX 0.11 such an
+    equation binds as well under the body's mesh, where a handler's operations on
+    a context typed for the manual mesh are accepted; JAX 0.10 checks the
+    equation's own sharding against the mesh in effect, so there it stays under
+    its own (and a handler cannot update the context in it)."""
+    if JAX_VERSION < (0, 11) or eqn_mesh is mesh or eqn_mesh.empty or mesh.empty:
+        return False
+    if eqn_mesh.axis_names != mesh.axis_names or eqn_mesh.axis_sizes != mesh.axis_sizes:
+        return False
+    manual = jax.sharding.AxisType.Manual
+    return any(
+        kind == manual and eqn_kind != manual
+        for kind, eqn_kind in zip(mesh.axis_types, eqn_mesh.axis_types, strict=True)
+    )
+
+
+def abstract_mesh(mesh: Any) -> Any:
+    """A context manager that puts `mesh` in effect as the abstract mesh."""
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
 def typed_mesh(value: Any) -> Any:
     """The (non-empty) mesh an array's type names in its sharding, or `None`."""
     if not isinstance(value, (jax.Array, Tracer)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -218,6 +219,11 @@ class Interpreter:
             if index < resume:
                 continue
             eqn_mesh = _compat.equation_mesh(eqn)
+            # Staged under the enclosing mesh inside a shard_map body: the
+            # equation runs, and its handler sees the context, under the body's.
+            keep_mesh = eqn_mesh is not ctx_mesh and _compat.drops_manual_axes(eqn_mesh, ctx_mesh)
+            if keep_mesh:
+                eqn_mesh = ctx_mesh
             if eqn_mesh is not ctx_mesh and eqn_mesh != ctx_mesh:
                 if home_mesh is None:
                     home_mesh = ctx_mesh if not ctx_mesh.empty else _typed_mesh(ctx)
@@ -251,6 +257,7 @@ class Interpreter:
                     source_info.traceback, name_stack=outer_name_stack + source_info.name_stack
                 ),
                 eqn.ctx.manager,
+                _compat.abstract_mesh(ctx_mesh) if keep_mesh else contextlib.nullcontext(),
             ):
                 if skips is not None and skips[index]:
                     outvals = self._bind_unchanged(eqn, invals, watch_effects)
