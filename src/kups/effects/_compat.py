@@ -638,10 +638,9 @@ def symbolic_zero_type() -> type:
     return jax.custom_derivatives.SymbolicZero
 
 
-def eval_jaxpr(jaxpr: Jaxpr, args: Sequence[Any], consts: Sequence[Any] = ()) -> list[Any]:
-    """Evaluates a jaxpr (with `consts` for its constvars) by re-binding its
-    equations."""
-    return list(_core.eval_jaxpr(jaxpr, consts, *args))
+def eval_jaxpr(jaxpr: Jaxpr, args: Sequence[Any]) -> list[Any]:
+    """Evaluates a const-free jaxpr by re-binding its equations."""
+    return list(_core.eval_jaxpr(jaxpr, (), *args))
 
 
 def new_var(aval: Any) -> Var:
