@@ -426,3 +426,54 @@ def test_interpreted_equations_keep_the_user_names():
     sources = [_call_jaxpr_source(e) for e in eqns if e.primitive.name.startswith("custom")]
     assert len(sources) == 2
     assert all("test_custom_derivatives.py" in source for source in sources), sources
+
+
+# ---------------------------------------------------------------- second order
+# A straight-through estimator: the primal rounds (its own derivative is zero),
+# the rule passes the tangent through. A second derivative of a function of its
+# output needs the output's derivative inside the rule, which must come from the
+# rule again, as in plain JAX, not from the interpreted rounding.
+
+
+@jax.custom_jvp
+def round_jvp(x):
+    return jnp.round(x)
+
+
+@round_jvp.defjvp
+def _round_jvp_rule(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return round_jvp(x), t
+
+
+@jax.custom_vjp
+def round_vjp(x):
+    return jnp.round(x)
+
+
+round_vjp.defvjp(lambda x: (round_vjp(x), None), lambda _, g: (g,))
+
+
+def count_round(interpreter, ctx, eqn, invals):
+    return HandlerResult(ctx + 1, [jnp.round(invals[0])])
+
+
+@pytest.mark.parametrize("fn", [round_jvp, round_vjp], ids=["custom_jvp", "custom_vjp"])
+def test_second_derivatives_of_a_function_of_the_output_are_plain_jax(fn):
+    interpret = reinterpret(
+        fn, Interpreter(default_dispatcher().register_handler("round", count_round))
+    )
+
+    def cube(f):
+        return lambda x: f(x) ** 3
+
+    def kups(x):
+        return interpret(jnp.int32(0), x)[0]
+
+    x = jnp.float32(1.3)
+    expected = jax.grad(jax.grad(cube(fn)))(x)  # 6 * round(x) == 6
+    assert expected == 6.0
+    assert jax.grad(jax.grad(cube(kups)))(x) == expected
+    if fn is round_jvp:
+        assert jax.jacfwd(jax.jacfwd(cube(kups)))(x) == expected
+        assert jax.jacfwd(jax.grad(cube(kups)))(x) == expected

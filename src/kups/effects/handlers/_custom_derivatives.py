@@ -105,7 +105,10 @@ def default_custom_jvp_handler(
     def primal_jvp(primals: Any, tangents: Any) -> Any:
         ctx_values, args = primals
         _, arg_tangents = tangents
-        ctx_out, outs = body.call(ctx_values, args)
+        # Through `wrapped`, not the body: differentiating this rule again (a
+        # second derivative) must differentiate the outputs by the user's rule
+        # too, as JAX does, not by the body's own operations.
+        ctx_out, outs = wrapped(ctx_values, args)
         perturbed = [not isinstance(t, _SymbolicZero) for t in arg_tangents]
         diff_args, merge = _split_perturbed(args, perturbed)
         diff_tangents, _ = _split_perturbed(arg_tangents, perturbed)
@@ -178,7 +181,9 @@ def default_custom_vjp_handler(
     def primal_fwd(ctx_values: list[Any], args: list[Any]) -> Any:
         perturbed = tuple(bool(a.perturbed) for a in args)
         args = [a.value for a in args]
-        ctx_out, outs = body.call([c.value for c in ctx_values], args)
+        # Through `wrapped`, not the body: differentiating `fwd` again (a second
+        # derivative) must differentiate the outputs by the user's rules too.
+        ctx_out, outs = wrapped([c.value for c in ctx_values], args)
         diff_args, merge = _split_perturbed(args, perturbed)
 
         def of_perturbed(*diff_args: Any) -> list[Any]:
