@@ -1397,8 +1397,8 @@ def _taint_dispatcher(sites: _Sites) -> Dispatcher:
         .register_handler("while", functools.partial(_taint_loop, default_while_handler))
         .register_handler("cond", _taint_cond)
         .register_handler("shard_map", _taint_shard_map)
-        # JAX's solution is kept (see default_custom_linear_solve_handler): the
-        # solve is an equation like any other here.
+        # The solve is an equation like any other here: re-bound as it is, its
+        # outputs checked (origins are not followed through the solver).
         .register_handler("custom_linear_solve", functools.partial(_taint_equation, sites))
         .register_fallback_handler(functools.partial(_taint_equation, sites))
     )
