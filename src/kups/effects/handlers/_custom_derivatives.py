@@ -7,6 +7,11 @@ perturbed: the user's rules are differentiated with respect to those only, and
 so see `.perturbed` (and symbolic zero tangents) as plain JAX would give them.
 The re-staged equation keeps the names (and source lines) of the user's
 function and rules.
+
+Differentiated, plain JAX runs the user's rule and not the function: a
+`jax.debug.callback` in the function runs only as often as the rule calls the
+function. kups still runs the interpreted body then, for the context, so its
+debug callbacks are dropped there (`_quiet`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from jax.extend.core import JaxprEqn
 from .. import _compat
 from .._body import TracedBody, trace_interpreted
 from .._context import split
-from .._types import HandlerResult
+from .._interpreter import Interpreter
+from .._matching import subjaxprs
+from .._types import HandlerResult, InterpreterPolicy
 
 _SymbolicZero = _compat.symbolic_zero_type()
 
@@ -42,6 +49,38 @@ def _zero_tangent(aval: Any) -> Any:
 def _original(eqn: JaxprEqn) -> Callable[..., list[Any]]:
     def call(*args: Any) -> list[Any]:
         return _compat.bind_equation(eqn.primitive, eqn.params, args)
+
+    return call
+
+
+def _has_debug_callback(jaxpr: Any) -> bool:
+    jaxpr, _ = _compat.open_jaxpr(jaxpr)
+    return any(
+        eqn.primitive.name == "debug_callback"
+        or any(_has_debug_callback(sub) for sub in subjaxprs(eqn.params))
+        for eqn in jaxpr.eqns
+    )
+
+
+def _drop(interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]) -> HandlerResult:
+    del interpreter, eqn, invals
+    return HandlerResult(ctx, [])
+
+
+def _quiet(body: TracedBody) -> Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]]:
+    """`body.call` without the `jax.debug.callback`s of the body (at any depth):
+    how the body runs beside the user's rule, where plain JAX runs only the rule."""
+    if not _has_debug_callback(body.jaxpr):
+        return body.call
+    from .._defaults import default_dispatcher  # here: it imports this module
+
+    dispatcher = default_dispatcher().register_handler("debug_callback", _drop)
+    muting = Interpreter(dispatcher, policy=InterpreterPolicy.IGNORE)
+    closed = body.closed()
+
+    def call(ctx_values: list[Any], args: list[Any]) -> tuple[list[Any], list[Any]]:
+        out, _ = muting(closed, (), *body.consts, *ctx_values, *args)
+        return out[: body.num_ctx_out], out[body.num_ctx_out :]
 
     return call
 
@@ -105,10 +144,10 @@ def default_custom_jvp_handler(
     def primal_jvp(primals: Any, tangents: Any) -> Any:
         ctx_values, args = primals
         _, arg_tangents = tangents
-        # Through `wrapped`, not the body: differentiating this rule again (a
-        # second derivative) must differentiate the outputs by the user's rule
-        # too, as JAX does, not by the body's own operations.
-        ctx_out, outs = wrapped(ctx_values, args)
+        # Through a custom_jvp with this rule, not the body: differentiating this
+        # rule again (a second derivative) must differentiate the outputs by the
+        # user's rule too, as JAX does, not by the body's own operations.
+        ctx_out, outs = quiet(ctx_values, args)
         perturbed = [not isinstance(t, _SymbolicZero) for t in arg_tangents]
         diff_args, merge = _split_perturbed(args, perturbed)
         diff_tangents, _ = _split_perturbed(arg_tangents, perturbed)
@@ -120,9 +159,15 @@ def default_custom_jvp_handler(
         ctx_tangents = [_zero_tangent(a) for a in body.ctx_out.avals]
         return (ctx_out, outs), (ctx_tangents, list(out_tangents))
 
+    def quiet_primal(ctx_values: list[Any], args: list[Any]) -> tuple[list[Any], list[Any]]:
+        return _quiet(body)(ctx_values, args)
+
     primal = _named_like(primal, _debug_info(eqn, "call_jaxpr"))
+    primal_jvp = _named_like(primal_jvp, _debug_info(eqn, "jvp_jaxpr_fun"))
     wrapped = jax.custom_jvp(primal)
-    wrapped.defjvp(_named_like(primal_jvp, _debug_info(eqn, "jvp_jaxpr_fun")), symbolic_zeros=True)
+    wrapped.defjvp(primal_jvp, symbolic_zeros=True)
+    quiet = jax.custom_jvp(_named_like(quiet_primal, _debug_info(eqn, "call_jaxpr")))
+    quiet.defjvp(primal_jvp, symbolic_zeros=True)
     ctx_out, outs = wrapped(ctx_values, list(invals))
     return HandlerResult(body.ctx_out.unflatten(ctx_out), list(outs))
 
@@ -181,9 +226,10 @@ def default_custom_vjp_handler(
     def primal_fwd(ctx_values: list[Any], args: list[Any]) -> Any:
         perturbed = tuple(bool(a.perturbed) for a in args)
         args = [a.value for a in args]
-        # Through `wrapped`, not the body: differentiating `fwd` again (a second
-        # derivative) must differentiate the outputs by the user's rules too.
-        ctx_out, outs = wrapped([c.value for c in ctx_values], args)
+        # Through a custom_vjp with these rules, not the body: differentiating
+        # `fwd` again (a second derivative) must differentiate the outputs by the
+        # user's rules too.
+        ctx_out, outs = quiet([c.value for c in ctx_values], args)
         diff_args, merge = _split_perturbed(args, perturbed)
 
         def of_perturbed(*diff_args: Any) -> list[Any]:
@@ -199,12 +245,15 @@ def default_custom_vjp_handler(
         _, out_cotangents = cotangents
         return [None] * num_ctx, residual(list(out_cotangents))
 
+    def quiet_primal(ctx_values: list[Any], args: list[Any]) -> tuple[list[Any], list[Any]]:
+        return _quiet(body)(ctx_values, args)
+
     primal = _named_like(primal, _debug_info(eqn, "call_jaxpr"))
+    primal_fwd = _named_like(primal_fwd, _debug_info(eqn, "fwd_jaxpr_thunk"))
+    primal_bwd = _named_like(primal_bwd, _debug_info(eqn, "bwd"))
     wrapped = jax.custom_vjp(primal)
-    wrapped.defvjp(
-        _named_like(primal_fwd, _debug_info(eqn, "fwd_jaxpr_thunk")),
-        _named_like(primal_bwd, _debug_info(eqn, "bwd")),
-        symbolic_zeros=True,
-    )
+    wrapped.defvjp(primal_fwd, primal_bwd, symbolic_zeros=True)
+    quiet = jax.custom_vjp(_named_like(quiet_primal, _debug_info(eqn, "call_jaxpr")))
+    quiet.defvjp(primal_fwd, primal_bwd, symbolic_zeros=True)
     ctx_out, outs = wrapped(ctx_values, list(invals))
     return HandlerResult(body.ctx_out.unflatten(ctx_out), list(outs))
