@@ -571,6 +571,34 @@ def test_debug_callbacks_in_the_body_run_as_in_plain_jax(fn, transform):
     assert calls(kups) == calls(fn)
 
 
+@jax.custom_jvp
+def printed_jvp(x):
+    jax.debug.print("f {x}", x=x)
+    return jnp.sin(x)
+
+
+@printed_jvp.defjvp
+def _printed_jvp_rule(primals, tangents):
+    (x,), (t,) = primals, tangents
+    jax.debug.print("rule {x}", x=x)
+    return printed_jvp(x), jnp.cos(x) * t
+
+
+@pytest.mark.parametrize("transform", [jax.jit, jax.grad, lambda g: jax.jit(jax.grad(g))])
+def test_debug_prints_in_the_body_run_as_in_plain_jax(transform, capsys):
+    counting = reinterpret(
+        printed_jvp, Interpreter(default_dispatcher().register_fallback_handler(count_every))
+    )
+
+    def printed(g):
+        capsys.readouterr()
+        jax.block_until_ready(transform(g)(jnp.float32(0.5)))
+        jax.effects_barrier()
+        return sorted(capsys.readouterr().out.splitlines())
+
+    assert printed(lambda x: counting(jnp.int32(0), x)[0]) == printed(printed_jvp)
+
+
 def test_the_context_of_a_differentiated_body_still_counts_its_callback():
     counting = reinterpret(
         logged_jvp, Interpreter(default_dispatcher().register_fallback_handler(count_every))

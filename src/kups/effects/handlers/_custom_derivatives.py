@@ -53,10 +53,14 @@ def _original(eqn: JaxprEqn) -> Callable[..., list[Any]]:
     return call
 
 
+# What `jax.debug.callback` and `jax.debug.print` bind: effects with no outputs.
+_DEBUG_PRIMITIVES = ("debug_callback", "debug_print")
+
+
 def _has_debug_callback(jaxpr: Any) -> bool:
     jaxpr, _ = _compat.open_jaxpr(jaxpr)
     return any(
-        eqn.primitive.name == "debug_callback"
+        eqn.primitive.name in _DEBUG_PRIMITIVES
         or any(_has_debug_callback(sub) for sub in subjaxprs(eqn.params))
         for eqn in jaxpr.eqns
     )
@@ -68,13 +72,16 @@ def _drop(interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]) -> Handl
 
 
 def _quiet(body: TracedBody) -> Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]]:
-    """`body.call` without the `jax.debug.callback`s of the body (at any depth):
+    """`body.call` without the `jax.debug.callback`s and `jax.debug.print`s of the
+    body (at any depth):
     how the body runs beside the user's rule, where plain JAX runs only the rule."""
     if not _has_debug_callback(body.jaxpr):
         return body.call
     from .._defaults import default_dispatcher  # here: it imports this module
 
-    dispatcher = default_dispatcher().register_handler("debug_callback", _drop)
+    dispatcher = default_dispatcher()
+    for name in _DEBUG_PRIMITIVES:
+        dispatcher = dispatcher.register_handler(name, _drop)
     muting = Interpreter(dispatcher, policy=InterpreterPolicy.IGNORE)
     closed = body.closed()
 
