@@ -490,29 +490,27 @@ def test_second_derivatives_of_a_function_of_the_output_are_plain_jax(fn):
 CALLS: list[str] = []
 
 
-@jax.custom_jvp
-def logged_jvp(x):
-    jax.debug.callback(lambda: CALLS.append("f"), ordered=True)
-    return jnp.sin(x)
+def logged(rule_calls_f):
+    """A custom_jvp sin whose body logs "f" and whose rule either logs "rule" and
+    calls the function, or calls neither."""
+
+    @jax.custom_jvp
+    def f(x):
+        jax.debug.callback(lambda: CALLS.append("f"), ordered=True)
+        return jnp.sin(x)
+
+    @f.defjvp
+    def rule(primals, tangents):
+        (x,), (t,) = primals, tangents
+        if not rule_calls_f:
+            return jnp.sin(x), jnp.cos(x) * t
+        jax.debug.callback(lambda: CALLS.append("rule"), ordered=True)
+        return f(x), jnp.cos(x) * t
+
+    return f
 
 
-@logged_jvp.defjvp
-def _logged_jvp_rule(primals, tangents):
-    (x,), (t,) = primals, tangents
-    jax.debug.callback(lambda: CALLS.append("rule"), ordered=True)
-    return logged_jvp(x), jnp.cos(x) * t  # the rule calls the function
-
-
-@jax.custom_jvp
-def logged_apart(x):
-    jax.debug.callback(lambda: CALLS.append("f"), ordered=True)
-    return jnp.sin(x)
-
-
-@logged_apart.defjvp
-def _logged_apart_rule(primals, tangents):
-    (x,), (t,) = primals, tangents
-    return jnp.sin(x), jnp.cos(x) * t  # the rule does not call the function
+logged_jvp, logged_apart = logged(rule_calls_f=True), logged(rule_calls_f=False)
 
 
 @jax.custom_vjp
