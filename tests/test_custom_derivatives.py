@@ -541,15 +541,15 @@ def count_every(interpreter, ctx, eqn, invals):
         lambda g: lambda x: jax.jvp(g, (x,), (1.0,)),
         lambda g: jax.jit(jax.grad(g)),
         lambda g: jax.jit(jax.value_and_grad(g)),
+        lambda g: jax.grad(jax.grad(g)),
+        lambda g: jax.jit(jax.hessian(g)),
     ],
-    ids=["call", "jit", "jvp", "jit grad", "jit value_and_grad"],
+    ids=["call", "jit", "jvp", "jit grad", "jit value_and_grad", "grad grad", "jit hessian"],
 )
 def test_debug_callbacks_in_the_body_run_as_in_plain_jax(fn, transform):
     """Differentiated, plain JAX runs the rule instead of the function: kups runs
     the interpreted body beside the rule (for the context), without its debug
-    callbacks, so each callback runs as many times as in plain JAX. (A second
-    derivative runs the rule's callbacks once more than plain JAX: the body's
-    outputs are differentiated by the rule apart from its tangents.)"""
+    callbacks, so each callback runs as many times as in plain JAX, at any order."""
     counting = reinterpret(
         fn, Interpreter(default_dispatcher().register_fallback_handler(count_every))
     )

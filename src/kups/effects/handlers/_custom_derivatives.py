@@ -92,6 +92,24 @@ def _quiet(body: TracedBody) -> Callable[[list[Any], list[Any]], tuple[list[Any]
     return call
 
 
+@jax.custom_jvp
+def _valued_as(value: list[Any], rule_value: list[Any]) -> list[Any]:
+    """`value` (the interpreted body's outputs, with any change a handler made),
+    differentiated as `rule_value` (the same outputs from the user's rule).
+
+    Inside a derivative rule, a second derivative must differentiate the outputs
+    by the user's rule, as JAX does, and not by the body's own operations; and
+    the rule's own derivative already runs that rule, so nothing else does.
+    """
+    del rule_value
+    return value
+
+
+@_valued_as.defjvp
+def _valued_as_jvp(primals: Any, tangents: Any) -> Any:
+    return primals[0], tangents[1]
+
+
 def _traced(interpreter: Any, ctx: Any, eqn: JaxprEqn, name: str) -> tuple[TracedBody, list[Any]]:
     spec, ctx_values = split(ctx)
     return trace_interpreted(interpreter, eqn.params["call_jaxpr"], spec, name=name), ctx_values
@@ -151,10 +169,7 @@ def default_custom_jvp_handler(
     def primal_jvp(primals: Any, tangents: Any) -> Any:
         ctx_values, args = primals
         _, arg_tangents = tangents
-        # Through a custom_jvp with this rule, not the body: differentiating this
-        # rule again (a second derivative) must differentiate the outputs by the
-        # user's rule too, as JAX does, not by the body's own operations.
-        ctx_out, outs = quiet(ctx_values, args)
+        ctx_out, outs = _quiet(body)(ctx_values, args)
         perturbed = [not isinstance(t, _SymbolicZero) for t in arg_tangents]
         diff_args, merge = _split_perturbed(args, perturbed)
         diff_tangents, _ = _split_perturbed(arg_tangents, perturbed)
@@ -162,19 +177,15 @@ def default_custom_jvp_handler(
         def of_perturbed(*diff_args: Any) -> list[Any]:
             return original(*merge(diff_args))
 
-        _, out_tangents = jax.jvp(of_perturbed, tuple(diff_args), tuple(diff_tangents))
+        rule_outs, out_tangents = jax.jvp(of_perturbed, tuple(diff_args), tuple(diff_tangents))
         ctx_tangents = [_zero_tangent(a) for a in body.ctx_out.avals]
+        outs = _valued_as(list(outs), list(rule_outs))
         return (ctx_out, outs), (ctx_tangents, list(out_tangents))
-
-    def quiet_primal(ctx_values: list[Any], args: list[Any]) -> tuple[list[Any], list[Any]]:
-        return _quiet(body)(ctx_values, args)
 
     primal = _named_like(primal, _debug_info(eqn, "call_jaxpr"))
     primal_jvp = _named_like(primal_jvp, _debug_info(eqn, "jvp_jaxpr_fun"))
     wrapped = jax.custom_jvp(primal)
     wrapped.defjvp(primal_jvp, symbolic_zeros=True)
-    quiet = jax.custom_jvp(_named_like(quiet_primal, _debug_info(eqn, "call_jaxpr")))
-    quiet.defjvp(primal_jvp, symbolic_zeros=True)
     ctx_out, outs = wrapped(ctx_values, list(invals))
     return HandlerResult(body.ctx_out.unflatten(ctx_out), list(outs))
 
@@ -233,16 +244,14 @@ def default_custom_vjp_handler(
     def primal_fwd(ctx_values: list[Any], args: list[Any]) -> Any:
         perturbed = tuple(bool(a.perturbed) for a in args)
         args = [a.value for a in args]
-        # Through a custom_vjp with these rules, not the body: differentiating
-        # `fwd` again (a second derivative) must differentiate the outputs by the
-        # user's rules too.
-        ctx_out, outs = quiet([c.value for c in ctx_values], args)
+        ctx_out, outs = _quiet(body)([c.value for c in ctx_values], args)
         diff_args, merge = _split_perturbed(args, perturbed)
 
         def of_perturbed(*diff_args: Any) -> list[Any]:
             return original(*merge(diff_args))
 
-        _, pullback = jax.vjp(of_perturbed, *diff_args)
+        rule_outs, pullback = jax.vjp(of_perturbed, *diff_args)
+        outs = _valued_as(list(outs), list(rule_outs))
         # The pattern of perturbed inputs is static: it lives in the residual's
         # tree structure (a Partial's function), not in traced leaves.
         residual = jax.tree_util.Partial(functools.partial(_pull, perturbed, out_avals), pullback)
@@ -252,15 +261,10 @@ def default_custom_vjp_handler(
         _, out_cotangents = cotangents
         return [None] * num_ctx, residual(list(out_cotangents))
 
-    def quiet_primal(ctx_values: list[Any], args: list[Any]) -> tuple[list[Any], list[Any]]:
-        return _quiet(body)(ctx_values, args)
-
     primal = _named_like(primal, _debug_info(eqn, "call_jaxpr"))
     primal_fwd = _named_like(primal_fwd, _debug_info(eqn, "fwd_jaxpr_thunk"))
     primal_bwd = _named_like(primal_bwd, _debug_info(eqn, "bwd"))
     wrapped = jax.custom_vjp(primal)
     wrapped.defvjp(primal_fwd, primal_bwd, symbolic_zeros=True)
-    quiet = jax.custom_vjp(_named_like(quiet_primal, _debug_info(eqn, "call_jaxpr")))
-    quiet.defvjp(primal_fwd, primal_bwd, symbolic_zeros=True)
     ctx_out, outs = wrapped(ctx_values, list(invals))
     return HandlerResult(body.ctx_out.unflatten(ctx_out), list(outs))
