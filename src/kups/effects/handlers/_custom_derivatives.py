@@ -178,7 +178,9 @@ def default_custom_jvp_handler(
             return original(*merge(diff_args))
 
         rule_outs, out_tangents = jax.jvp(of_perturbed, tuple(diff_args), tuple(diff_tangents))
-        ctx_tangents = [_zero_tangent(a) for a in body.ctx_out.avals]
+        # Symbolic zeros, typed like the context's values (varying over the
+        # manual axes of a shard_map body where they vary, integers too).
+        ctx_tangents = [_SymbolicZero(jax.typeof(c).to_tangent_aval()) for c in ctx_out]
         outs = _valued_as(list(outs), list(rule_outs))
         return (ctx_out, outs), (ctx_tangents, list(out_tangents))
 
