@@ -673,3 +673,26 @@ def test_derivatives_of_custom_rules_in_a_shard_map_body_under_effects(effect, a
         return jax.jit(jax.grad(jax.grad(lambda w: f(x, w))))(w)
 
     np.testing.assert_array_equal(second(effected), second(loss))
+
+
+@jax.custom_vjp
+def sin_and_argmax(x):
+    return jnp.sin(x), jnp.argmax(x)
+
+
+sin_and_argmax.defvjp(lambda x: (sin_and_argmax(x), x), lambda x, ct: (2.0 * ct[0],))
+
+
+@pytest.mark.parametrize("effect", EFFECTS)
+def test_custom_vjp_with_an_integer_output_in_a_shard_map_body_under_effects(effect, mesh8):
+    """The integer output varies over the manual axis: its cotangent would have to
+    be a float0 typed as varying; the user's bwd rule never sees it anyway."""
+
+    def body(x):
+        y, i = sin_and_argmax(x)
+        return jax.lax.psum(jnp.sum(y) + i.astype(jnp.float32), "i")
+
+    loss = jax.shard_map(body, mesh=mesh8, in_specs=P("i"), out_specs=P())
+    x = jnp.linspace(-1.0, 1.0, 16)
+    expected = jax.jit(jax.grad(loss))(x)
+    np.testing.assert_array_equal(jax.jit(jax.grad(EFFECTS[effect](loss)))(x), expected)

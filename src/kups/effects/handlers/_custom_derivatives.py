@@ -196,13 +196,19 @@ def _pull(
     perturbed: tuple[bool, ...], out_avals: tuple[Any, ...], pullback: Any, cotangents: Any
 ) -> list[Any]:
     """Cotangents of the inputs of a custom_vjp function: the user's `bwd` (through
-    `pullback`) for the perturbed inputs, `None` (zero) for the others."""
+    `pullback`, which takes the cotangents of the floating outputs) for the
+    perturbed inputs, `None` (zero) for the others."""
     cotangents = [
         _zero_tangent(aval) if isinstance(ct, _SymbolicZero) else _as_cotangent(ct, aval)
         for ct, aval in zip(cotangents, out_avals, strict=True)
+        if _is_inexact(aval)
     ]
     diff_cotangents = iter(pullback(cotangents))
     return [next(diff_cotangents) if p else None for p in perturbed]
+
+
+def _is_inexact(aval: Any) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
 def _as_cotangent(ct: Any, aval: Any) -> Any:
@@ -249,10 +255,14 @@ def default_custom_vjp_handler(
         ctx_out, outs = _quiet(body)([c.value for c in ctx_values], args)
         diff_args, merge = _split_perturbed(args, perturbed)
 
-        def of_perturbed(*diff_args: Any) -> list[Any]:
-            return original(*merge(diff_args))
+        def of_perturbed(*diff_args: Any) -> tuple[list[Any], list[Any]]:
+            # Integer outputs go out as aux: their cotangents would be float0
+            # zeros, which inside a shard_map body must be typed as varying.
+            rule_outs = original(*merge(diff_args))
+            floats = [o for o, a in zip(rule_outs, out_avals, strict=True) if _is_inexact(a)]
+            return floats, rule_outs
 
-        rule_outs, pullback = jax.vjp(of_perturbed, *diff_args)
+        _, pullback, rule_outs = jax.vjp(of_perturbed, *diff_args, has_aux=True)
         outs = _valued_as(list(outs), list(rule_outs))
         # The pattern of perturbed inputs is static: it lives in the residual's
         # tree structure (a Partial's function), not in traced leaves.
