@@ -72,9 +72,9 @@ def _drop(interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]) -> Handl
 
 
 def _quiet(body: TracedBody) -> Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]]:
-    """`body.call` without the `jax.debug.callback`s and `jax.debug.print`s of the
-    body (at any depth):
-    how the body runs beside the user's rule, where plain JAX runs only the rule."""
+    """`body.call` without the body's `jax.debug.callback`s and `jax.debug.print`s,
+    at any depth: how the body runs beside the user's rule, where plain JAX runs
+    only the rule."""
     if not _has_debug_callback(body.jaxpr):
         return body.call
     from .._defaults import default_dispatcher  # here: it imports this module
