@@ -29,8 +29,9 @@ from .. import _compat
 from .._body import TracedBody, trace_interpreted
 from .._context import split
 from .._interpreter import Interpreter
-from .._matching import subjaxprs
+from .._matching import is_control_flow
 from .._types import HandlerResult, InterpreterPolicy
+from .._untouched import touched_inside
 
 _SymbolicZero = _compat.symbolic_zero_type()
 
@@ -54,14 +55,14 @@ def _original(eqn: JaxprEqn) -> Callable[..., list[Any]]:
 
 
 # What `jax.debug.callback` and `jax.debug.print` bind: effects with no outputs.
-_DEBUG_PRIMITIVES = ("debug_callback", "debug_print")
+_DEBUG_PRIMITIVES = frozenset({"debug_callback", "debug_print"})
 
 
 def _has_debug_callback(jaxpr: Any) -> bool:
     jaxpr, _ = _compat.open_jaxpr(jaxpr)
     return any(
         eqn.primitive.name in _DEBUG_PRIMITIVES
-        or any(_has_debug_callback(sub) for sub in subjaxprs(eqn.params))
+        or (is_control_flow(eqn) and bool(touched_inside(eqn, _DEBUG_PRIMITIVES)))
         for eqn in jaxpr.eqns
     )
 
@@ -80,7 +81,7 @@ def _quiet(body: TracedBody) -> Callable[[list[Any], list[Any]], tuple[list[Any]
     from .._defaults import default_dispatcher  # here: it imports this module
 
     dispatcher = default_dispatcher()
-    for name in _DEBUG_PRIMITIVES:
+    for name in sorted(_DEBUG_PRIMITIVES):
         dispatcher = dispatcher.register_handler(name, _drop)
     muting = Interpreter(dispatcher, policy=InterpreterPolicy.IGNORE)
     closed = body.closed()
