@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.extend.random import define_prng_impl
 from jax.sharding import PartitionSpec as P
 
 from kups import instrument
@@ -535,6 +536,61 @@ def test_a_library_primitive_holding_a_function_is_opaque():
         count_primitives(f)(X)
     counts = opaque_counts_of(f, X)
     assert dict(counts) == {"exp": 1} and counts.opaque == {"library_fn_call": 1}
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "unsafe_rbg"])
+def test_keys_made_inside_the_program_are_counted(impl):
+    # `random_seed` and `random_wrap` hold their key type (functions JAX lowers
+    # them with) in their params: JAX's own key types hide nothing of the program.
+    def f(x, data):
+        key = jax.random.key(0, impl=impl)
+        k1, k2 = jax.random.split(key)
+        k3 = jax.random.wrap_key_data(data, impl=impl)
+        noise = jax.random.normal(jax.random.fold_in(k1, 3), (3,))
+        return x + noise + jax.random.uniform(k2, (3,)) + jax.random.uniform(k3, (3,))
+
+    data = jax.random.key_data(jax.random.key(1, impl=impl))
+    x = jnp.ones(3)
+    out, counts = count_primitives(f)(x, data)
+    np.testing.assert_array_equal(out, f(x, data))
+    jit_out, jit_counts = jax.jit(count_primitives(f))(x, data)
+    np.testing.assert_array_equal(jit_out, jax.jit(f)(x, data))
+    assert counts["random_seed"] == 1 and counts["random_wrap"] == 1
+    assert counts["random_split"] == 1 and counts["random_fold_in"] == 1
+    assert counts.opaque == {}
+    assert {name: int(count) for name, count in jit_counts.items()} == counts
+
+
+def test_a_key_type_of_the_users_own_is_opaque():
+    # Its functions are the user's, run where JAX lowers `random_seed`: kups
+    # cannot see them, and says so.
+    def seed(s):
+        return jnp.stack([s, s + 1]).astype(jnp.uint32)
+
+    def split(key, shape):
+        return jnp.broadcast_to(key, (*shape, 2))
+
+    def random_bits(key, bit_width, shape):
+        del key, bit_width
+        return jnp.zeros(shape, jnp.uint32)
+
+    mine = define_prng_impl(
+        key_shape=(2,),
+        seed=seed,
+        split=split,
+        random_bits=random_bits,
+        fold_in=lambda key, data: key,
+        name="mine",
+        tag="mine",
+    )
+
+    def f(x):
+        return x + jax.random.key_data(jax.random.key(0, impl=mine)).sum()
+
+    with pytest.raises(NotImplementedError, match=r"primitive 'random_seed' at .*key type"):
+        count_primitives(f)(X)
+    counts = opaque_counts_of(f, X)
+    assert counts.opaque == {"random_seed": 1}
 
 
 def test_raise_names_the_opaque_primitive_and_the_way_out():

@@ -267,10 +267,10 @@ def _count_opaque(interpreter: Any, ctx: _Tally, eqn: JaxprEqn, invals: list[Any
     if policy is InterpreterPolicy.RAISE:
         raise NotImplementedError(
             f"count_primitives cannot count inside the {_where(eqn)}: kups has no "
-            f"handler for it (it is not one of JAX's own, and runs a sub-program or "
-            f"Python functions of its own), so the primitives it runs inside would be "
-            f"missing from the counts. To run it unchanged "
-            f"and count everything around it, pass policy=InterpreterPolicy.IGNORE (or "
+            f"handler for it (it runs a sub-program or Python functions of its own: a "
+            f"library's primitive, or a key type of your own), so the primitives it runs "
+            f"inside would be missing from the counts. To run it unchanged and count "
+            f"everything around it, pass policy=InterpreterPolicy.IGNORE (or "
             f"WARN, to be warned) to count_primitives (from kups.effects import "
             f"InterpreterPolicy); the counts' .opaque then says how many times "
             f"{name!r} ran, its inside not counted."

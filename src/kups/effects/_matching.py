@@ -8,6 +8,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+import jax.extend.random
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 # Primitives whose jaxpr parameters are combiners (how to add two elements, how to
@@ -110,9 +111,28 @@ def contains_subjaxprs(ctx: Any, eqn: JaxprEqn, invals: list[Any]) -> bool:
 _FUNCTION_TYPES = (types.FunctionType, types.MethodType, functools.partial)
 
 
+# The type of a PRNG implementation (`impl`, a param of `random_seed` and
+# `random_wrap`): a tuple holding the functions JAX lowers those primitives with.
+_PRNG_IMPL_TYPE = type(jax.extend.random.threefry_prng_impl)
+
+
+def _is_jax_prng_impl(value: Any) -> bool:
+    """Whether `value` is one of JAX's own key types (threefry, rbg, ...): its
+    functions are JAX's, not the user's, so nothing of the program is hidden in
+    them. A key type defined with `jax.extend.random.define_prng_impl` runs the
+    user's functions, so it is not."""
+    return isinstance(value, _PRNG_IMPL_TYPE) and all(
+        getattr(item, "__module__", "").startswith("jax.")
+        for item in value
+        if isinstance(item, _FUNCTION_TYPES)
+    )
+
+
 def _holds_function(value: Any, depth: int) -> bool:
     if isinstance(value, _FUNCTION_TYPES):
         return True
+    if _is_jax_prng_impl(value):
+        return False
     if depth == 0 or isinstance(value, (str, bytes, int, float, bool, *_JAXPR_TYPES)):
         return False
     if isinstance(value, (tuple, list)):
