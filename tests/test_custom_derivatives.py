@@ -696,3 +696,28 @@ def test_custom_vjp_with_an_integer_output_in_a_shard_map_body_under_effects(eff
     x = jnp.linspace(-1.0, 1.0, 16)
     expected = jax.jit(jax.grad(loss))(x)
     np.testing.assert_array_equal(jax.jit(jax.grad(EFFECTS[effect](loss)))(x), expected)
+
+
+@pytest.mark.parametrize("effect", EFFECTS)
+def test_custom_vjp_in_an_eager_shard_map_body_under_effects(effect):
+    """Called eagerly (no jit), a shard_map runs its body shard by shard, where
+    JAX refuses a custom_vjp declared with symbolic zeros: kups' own custom_vjp
+    declares them only where the user's rules do. (Eager shard_maps run op by
+    op on every shard, so this runs on one mesh; the body is the same on both.)"""
+    mesh = jax.make_mesh((8,), ("i",), axis_types=(AxisType.Explicit,))
+
+    def body(x, w):
+        y = scaled_tanh(x, w) + sin_and_argmax(x)[0]
+        return jax.lax.psum(jnp.sum(y**2), "i")
+
+    loss = jax.shard_map(body, mesh=mesh, in_specs=(P("i"), P()), out_specs=P())
+    x = jax.device_put(jnp.linspace(-1.0, 1.0, 16), NamedSharding(mesh, P("i")))
+    w = jnp.float32(0.7)
+    with jax.set_mesh(mesh):
+        np.testing.assert_array_equal(EFFECTS[effect](loss)(x, w), loss(x, w))
+        if effect != "count_primitives":
+            return  # eager gradients run op by op on every shard: one effect is enough
+        grads = jax.grad(EFFECTS[effect](loss), argnums=(0, 1))(x, w)
+        expected = jax.grad(loss, argnums=(0, 1))(x, w)
+    for got, want in zip(grads, expected, strict=True):
+        np.testing.assert_array_equal(got, want)

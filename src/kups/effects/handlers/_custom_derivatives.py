@@ -2,9 +2,12 @@
 derivative rules still give the derivatives.
 
 The context is threaded through a `jax.custom_jvp` / `jax.custom_vjp` of kups'
-own, declared with `symbolic_zeros=True` so that it knows which inputs are
-perturbed: the user's rules are differentiated with respect to those only, and
-so see `.perturbed` (and symbolic zero tangents) as plain JAX would give them.
+own, which knows which inputs are perturbed: the user's rules are differentiated
+with respect to those only, and so see `.perturbed` (and symbolic zero tangents)
+as plain JAX would give them. The `custom_jvp` is declared with
+`symbolic_zeros=True`; the `custom_vjp` only when the user's rules are (an eager
+`shard_map` cannot run one declared so), otherwise every floating input counts
+as perturbed, which a rule without symbolic zeros cannot tell apart anyway.
 The re-staged equation keeps the names (and source lines) of the user's
 function and rules.
 
@@ -250,10 +253,19 @@ def default_custom_vjp_handler(
     def primal(ctx_values: list[Any], args: list[Any]) -> tuple[list[Any], list[Any]]:
         return body.call(ctx_values, args)
 
+    # Symbolic zeros only where the user's rules take them: eager `shard_map`
+    # runs no custom_vjp declared with them, and plain JAX runs the user's.
+    symbolic = bool(eqn.params.get("symbolic_zeros", False))
+
     def primal_fwd(ctx_values: list[Any], args: list[Any]) -> Any:
-        perturbed = tuple(bool(a.perturbed) for a in args)
-        args = [a.value for a in args]
-        ctx_out, outs = _quiet(body)([c.value for c in ctx_values], args)
+        if symbolic:
+            perturbed = tuple(bool(a.perturbed) for a in args)
+            args, ctx_values = [a.value for a in args], [c.value for c in ctx_values]
+        else:
+            # Without symbolic zeros a rule cannot tell which inputs are
+            # perturbed: its floating inputs all are, as in plain JAX.
+            perturbed = tuple(_is_inexact(v.aval) for v in eqn.invars)
+        ctx_out, outs = _quiet(body)(list(ctx_values), args)
         diff_args, merge = _split_perturbed(args, perturbed)
 
         def of_perturbed(*diff_args: Any) -> tuple[list[Any], list[Any]]:
@@ -278,6 +290,6 @@ def default_custom_vjp_handler(
     primal_fwd = _named_like(primal_fwd, _debug_info(eqn, "fwd_jaxpr_thunk"))
     primal_bwd = _named_like(primal_bwd, _debug_info(eqn, "bwd"))
     wrapped = jax.custom_vjp(primal)
-    wrapped.defvjp(primal_fwd, primal_bwd, symbolic_zeros=True)
+    wrapped.defvjp(primal_fwd, primal_bwd, symbolic_zeros=symbolic)
     ctx_out, outs = wrapped(ctx_values, list(invals))
     return HandlerResult(body.ctx_out.unflatten(ctx_out), list(outs))
