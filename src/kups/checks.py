@@ -63,9 +63,9 @@ from kups.effects import (
     skip_when_untouched,
     source_location,
     varying_axes,
+    while_with_predicate,
     wraps_with_leading,
 )
-from kups.effects.handlers._while import while_with_predicate
 
 __all__ = [
     "CheckFailed",
@@ -1329,7 +1329,7 @@ def checked(
     @wraps_with_leading(fn)
     def wrapped(*args: Params.args, **kwargs: Params.kwargs) -> tuple[Out, Error]:
         interpreter = Interpreter(_dispatcher(kinds), policy=policy, label="kups.checks")
-        interpreter._policy_caller = "checked(fn, policy=...)"
+        interpreter.policy_hint = "checked(fn, policy=...)"
         ctx = _Ctx(failed=jnp.zeros((), jnp.bool_), slots=(), loops=(), shard_axes=(), kinds=kinds)
         out, ctx = reinterpret(fn, interpreter)(ctx, *args, **kwargs)
         return out, Error(failed=ctx.failed, slots=ctx.slots)

@@ -357,16 +357,17 @@ class _FramingInterpreter(Interpreter):
     call handler prepared for it (see `_in_frame`), or one whose inputs are not
     constants (a loop or branch body, the program itself)."""
 
-    def __call__(self, closed_jaxpr: Any, ctx: Any, *args: Any) -> tuple[list[Any], Any]:
+    def interpret_jaxpr(
+        self, jaxpr: Jaxpr, consts: Any, ctx: Any, args: Any
+    ) -> tuple[list[Any], Any]:
         if not isinstance(ctx, _State):
-            return super().__call__(closed_jaxpr, ctx, *args)
-        jaxpr = closed_jaxpr.jaxpr if isinstance(closed_jaxpr, ClosedJaxpr) else closed_jaxpr
+            return super().interpret_jaxpr(jaxpr, consts, ctx, args)
         outer = ctx.scope
         frame = outer.frame
         if frame is None or frame.jaxpr is not jaxpr:
             frame = _Frame(jaxpr, (False,) * len(jaxpr.invars))
         inner = dataclasses.replace(outer, frame=frame)
-        outs, ctx = super().__call__(closed_jaxpr, ctx._replace(scope=inner), *args)
+        outs, ctx = super().interpret_jaxpr(jaxpr, consts, ctx._replace(scope=inner), args)
         return outs, ctx._replace(scope=outer)
 
 
@@ -843,15 +844,18 @@ class _TaintInterpreter(Interpreter):
     def set_origins(self, atoms: Any, origins: Any) -> None:
         self.frames[-1].update(zip(atoms, origins, strict=True))
 
-    def __call__(self, closed_jaxpr: Any, ctx: Any, *args: Any) -> tuple[list[Any], Any]:
+    def interpret_jaxpr(
+        self, jaxpr: Jaxpr, consts: Any, ctx: Any, args: Any
+    ) -> tuple[list[Any], Any]:
         if not isinstance(ctx, _Taint) or ctx.scope.passive:
-            return super().__call__(closed_jaxpr, ctx, *args)
-        jaxpr = closed_jaxpr.jaxpr if isinstance(closed_jaxpr, ClosedJaxpr) else closed_jaxpr
+            return super().interpret_jaxpr(jaxpr, consts, ctx, args)
         if not any(_is_float_aval(v.aval) for v in jaxpr.outvars):
             # Nothing it computes can reach a floating output (a while_loop's
             # condition, a function of integers): run it as it is.
             passive = dataclasses.replace(ctx.scope, passive=True)
-            outs, out_ctx = super().__call__(closed_jaxpr, ctx._replace(scope=passive), *args)
+            outs, out_ctx = super().interpret_jaxpr(
+                jaxpr, consts, ctx._replace(scope=passive), args
+            )
             return outs, out_ctx._replace(scope=ctx.scope)
         if not self.has_mesh:
             self.has_mesh = not jax.sharding.get_abstract_mesh().empty or any(
@@ -864,7 +868,7 @@ class _TaintInterpreter(Interpreter):
         self.frames.append(frame)
         self.pending.append(0)
         try:
-            outs, ctx = super().__call__(closed_jaxpr, ctx._replace(io=None), *args)
+            outs, ctx = super().interpret_jaxpr(jaxpr, consts, ctx._replace(io=None), args)
             ctx = _flush(self, ctx)
         finally:
             self.frames.pop()
@@ -1730,14 +1734,14 @@ def find_nans(
         sites = _Sites()
         if report == "first":
             interpreter = _FramingInterpreter(_dispatcher(sites), policy=policy, label="find_nans")
-            interpreter._policy_caller = "find_nans(fn, policy=...)"
+            interpreter.policy_hint = "find_nans(fn, policy=...)"
             out, state = reinterpret(fn, interpreter)(_initial_state(), *args, **kwargs)
             found = NanReport(
                 state.site, state.nan, state.shard, state.iterations, tuple(sites.sites)
             )
             return out, found
         taint = _TaintInterpreter(_taint_dispatcher(sites), sites, policy)
-        taint._policy_caller = "find_nans(fn, policy=...)"
+        taint.policy_hint = "find_nans(fn, policy=...)"
         out, final = reinterpret(fn, taint)(_initial_taint(), *args, **kwargs)
         return out, _reaching_report(final, sites)
 

@@ -588,7 +588,7 @@ def _interpreter(
     interpreter = Interpreter(
         dispatcher, policy=policy, label=f"kups.harvest.{caller}({selection})"
     )
-    interpreter._policy_caller = f"{caller}(fn, policy=...)"
+    interpreter.policy_hint = f"{caller}(fn, policy=...)"
 
     def acts_on(effect: Any, params: dict[str, Any]) -> bool:
         # Whether a sow bound with `params` is one this call takes.
@@ -596,7 +596,7 @@ def _interpreter(
             params["tag"] == selection.tag and selection.takes((*params["scope"], params["name"]))
         )
 
-    interpreter._acts_on = acts_on
+    interpreter.acts_on = acts_on
     return interpreter
 
 
@@ -1411,7 +1411,7 @@ def nest(
         interpreter = Interpreter(
             dispatcher, policy=policy, label=f"kups.harvest.nest(scope={scope!r})"
         )
-        interpreter._policy_caller = "nest(fn, policy=...)"
+        interpreter.policy_hint = "nest(fn, policy=...)"
         out, _ = reinterpret(fn, interpreter)((), *args, **kwargs)
         return out
 

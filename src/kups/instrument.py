@@ -38,7 +38,6 @@ from kups.effects import (
     Interpreter,
     InterpreterPolicy,
     Uninitialized,
-    _compat,
     check_policy,
     contains_subjaxprs,
     default_cond_handler,
@@ -47,12 +46,12 @@ from kups.effects import (
     default_scan_handler,
     default_shard_map_handler,
     default_while_handler,
+    is_library_primitive,
     reinterpret,
     shard_map_axes,
     source_line,
     wraps_with_leading,
 )
-from kups.effects._matching import holds_functions
 
 __all__ = ["PrimitiveCounts", "count_primitives"]
 
@@ -330,7 +329,7 @@ def _names_in(program: Jaxpr | ClosedJaxpr) -> _Names:
         opaque: dict[str, Primitive] = {}
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
-            if holds_functions(eqn, _compat.KNOWN_PARAMS):
+            if is_library_primitive(eqn):
                 # A library primitive running Python functions kups cannot see.
                 opaque[name] = eqn.primitive
             elif not contains_subjaxprs(None, eqn, []):
@@ -417,14 +416,13 @@ class _CountingInterpreter(Interpreter):
     that runs, so later calls find nothing new).
     """
 
-    def __call__(
-        self, closed_jaxpr: ClosedJaxpr | Jaxpr, ctx: Any, *args: Any
+    def interpret_jaxpr(
+        self, jaxpr: Jaxpr, consts: Any, ctx: Any, args: Any
     ) -> tuple[list[Any], Any]:
-        if isinstance(closed_jaxpr, (ClosedJaxpr, Jaxpr)):
-            for primitive in _names_in(closed_jaxpr).opaque.values():
-                if not self.dispatcher.is_registered(primitive):
-                    self.dispatcher.register_handler(primitive, _count_opaque)
-        return super().__call__(closed_jaxpr, ctx, *args)
+        for primitive in _names_in(jaxpr).opaque.values():
+            if not self.dispatcher.is_registered(primitive):
+                self.dispatcher.register_handler(primitive, _count_opaque)
+        return super().interpret_jaxpr(jaxpr, consts, ctx, args)
 
 
 def count_primitives(
@@ -491,7 +489,7 @@ def count_primitives(
     @wraps_with_leading(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, PrimitiveCounts]:
         interpreter = _CountingInterpreter(_dispatcher(), policy=policy, label="count_primitives")
-        interpreter._policy_caller = "count_primitives(fn, policy=...)"
+        interpreter.policy_hint = "count_primitives(fn, policy=...)"
         out, tally = reinterpret(fn, interpreter)(_Tally({}, {}), *args, **kwargs)
         if _is_traced((args, kwargs, tally)):
             tally = jax.tree.map(lambda count: jnp.asarray(count, jnp.int32), tally)

@@ -12,6 +12,7 @@ from ._equations import to_current_mesh as to_current_mesh
 from ._equations import varying_axes as varying_axes
 from ._interpreter import Interpreter as Interpreter
 from ._matching import contains_subjaxprs as contains_subjaxprs
+from ._matching import is_library_primitive as is_library_primitive
 from ._reinterpret import reinterpret as reinterpret
 from ._reinterpret import wraps_with_leading as wraps_with_leading
 from ._types import HandlerResult as HandlerResult
@@ -39,6 +40,7 @@ from .handlers import default_remat_opt_handler as default_remat_opt_handler
 from .handlers import default_scan_handler as default_scan_handler
 from .handlers import default_shard_map_handler as default_shard_map_handler
 from .handlers import default_while_handler as default_while_handler
+from .handlers import while_with_predicate as while_with_predicate
 
 __all__ = [
     "Dispatcher",
@@ -66,6 +68,7 @@ __all__ = [
     "default_shard_map_handler",
     "default_while_handler",
     "define_effect",
+    "is_library_primitive",
     "reinterpret",
     "shard_map_axes",
     "skip_when_untouched",
@@ -73,5 +76,6 @@ __all__ = [
     "source_location",
     "to_current_mesh",
     "varying_axes",
+    "while_with_predicate",
     "wraps_with_leading",
 ]

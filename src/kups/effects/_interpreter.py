@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Primitive
 
 from . import _compat
 from ._context import leaked_static_paths
@@ -96,6 +96,18 @@ class Interpreter:
     - `dispatcher`: which handler takes which primitive.
     - `policy`: what to do with an unhandled control-flow equation.
     - `label`: a name for this interpreter, shown in error messages and reprs.
+    - `policy_hint`: how the user of an effect built on this interpreter chooses
+      its policy (for example `"count_primitives(fn, policy=...)"`); error
+      messages about unhandled equations name it as the way out.
+    - `acts_on`: `acts_on(effect, params) -> bool`, which bindings of an effect
+      primitive this interpreter handles would matter to it (a sow of its own
+      tag, say). When such a binding happens where kups cannot see it (inside a
+      library primitive run unchanged), the policy decides; bindings it returns
+      `False` for are let go. `None`: every binding of a handled effect matters.
+
+    **Subclassing:** to act around every jaxpr the interpreter runs (the program
+    and each sub-program a handler interprets with `interpreter(body, ctx, *args)`),
+    override `interpret_jaxpr` and call `super().interpret_jaxpr(...)` inside.
 
     **Example:**
 
@@ -117,6 +129,9 @@ class Interpreter:
         dispatcher: Dispatcher,
         policy: InterpreterPolicy = InterpreterPolicy.RAISE,
         label: str = "",
+        *,
+        policy_hint: str | None = None,
+        acts_on: Callable[[Primitive, Mapping[str, Any]], bool] | None = None,
     ):
         if not isinstance(dispatcher, Dispatcher):
             raise TypeError(
@@ -132,12 +147,8 @@ class Interpreter:
         self.policy = policy
         self.label = label
         self._depth = 0
-        # How a user of an effect built on this interpreter chooses its policy
-        # (e.g. "count_primitives(fn, policy=...)"), for error messages.
-        self._policy_caller: str | None = None
-        # Which bindings of a handled effect this interpreter would act on (e.g. a
-        # sow of its tag), for `lost_effect`; None: all of them.
-        self._acts_on: Any = None
+        self.policy_hint = policy_hint
+        self.acts_on = acts_on
         self._body_cache: dict[Any, Any] = {}
         # The primitives that go to handlers of their own (None: any may), read
         # from the dispatcher at the start of each top-level call.
@@ -173,23 +184,46 @@ class Interpreter:
                 f"{self.label or 'Interpreter'}: the jaxpr takes {len(jaxpr.invars)} "
                 f"inputs, got {len(args)} arguments."
             )
+        staging_starts = False
         if self._depth == 0:
             self._body_cache = {}
             self._handled = handled_names(self.dispatcher)
-            if not self.dispatcher._staged and _compat.is_staging():
-                self.dispatcher._staged = True
+            staging_starts = not self.dispatcher._staged and _compat.is_staging()
         self._depth += 1
         try:
             with seen():
-                return self._run(jaxpr, consts, ctx, args)
+                return self.interpret_jaxpr(jaxpr, consts, ctx, args)
         finally:
             self._depth -= 1
             if self._depth == 0:
                 self._body_cache = {}
+            # Marked once the trace is done: an `interpret_jaxpr` override may still
+            # register handlers for what it finds in the program it runs.
+            if staging_starts:
+                self.dispatcher._staged = True
 
-    def _run(
+    def interpret_jaxpr(
         self, jaxpr: Jaxpr, consts: Sequence[Any], ctx: Any, args: Sequence[Any]
     ) -> tuple[list[Any], Any]:
+        """Runs the equations of `jaxpr` with `ctx`: the hook a subclass overrides
+        to act around every jaxpr this interpreter runs.
+
+        `__call__` checks its arguments and calls this for the program and for
+        every sub-program a handler interprets. An override calls
+        `super().interpret_jaxpr(jaxpr, consts, ctx, args)` and may change the
+        context before and after (push a frame, read the jaxpr's outputs).
+
+        **Arguments:**
+
+        - `jaxpr`: the open jaxpr to run.
+        - `consts`: one value per `jaxpr.constvars`.
+        - `ctx`: the context.
+        - `args`: one value per `jaxpr.invars`.
+
+        **Returns:**
+
+        `(outs, ctx)`, as `__call__`.
+        """
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(jaxpr.invars, args, strict=True))
         handlers = self.dispatcher._handlers
@@ -325,10 +359,10 @@ class Interpreter:
         by the policy, raises, warns or lets it go."""
         if self.policy is InterpreterPolicy.IGNORE:
             return
-        if self._acts_on is not None and not self._acts_on(effect, params):
+        if self.acts_on is not None and not self.acts_on(effect, params):
             return
         name = effect.name.removeprefix("kups_")
-        caller = self._policy_caller
+        caller = self.policy_hint
         if caller is not None:
             way_out = (
                 f"Pass policy=InterpreterPolicy.IGNORE to {caller} to run it anyway, "
@@ -367,7 +401,7 @@ class Interpreter:
         if self.policy is InterpreterPolicy.IGNORE:
             return _compat.bind_equation(eqn.primitive, eqn.params, invals)
         name = eqn.primitive.name
-        caller = self._policy_caller
+        caller = self.policy_hint
         if caller is not None and is_control_flow(eqn):
             message = (
                 f"{self.label or 'kups'}: no handler for the control-flow {where(eqn)}. "

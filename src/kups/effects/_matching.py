@@ -11,6 +11,8 @@ from typing import Any
 import jax.extend.random
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
+from . import _compat
+
 # Primitives whose jaxpr parameters are combiners (how to add two elements, how to
 # compare them), not sub-programs of the user's: they are re-bound as they are.
 COMBINER_PRIMITIVES: frozenset[str] = frozenset(
@@ -145,6 +147,29 @@ def _holds_function(value: Any, depth: int) -> bool:
             for field in dataclasses.fields(value)
         )
     return False
+
+
+def is_library_primitive(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` binds a library's own primitive that holds Python functions
+    in its params (lineax's `linear_solve` holding its operator, an equinox filter
+    primitive), rather than a JAX primitive or a host callback.
+
+    Such a primitive runs code kups cannot see before it runs: an effect bound
+    inside it is out of the interpreter's sight. Effects that must enter every
+    sub-program (counting, checking) treat it as opaque.
+
+    **Example:**
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    from kups.effects import is_library_primitive
+
+    closed = jax.make_jaxpr(jnp.sin)(1.0)
+    assert not any(is_library_primitive(eqn) for eqn in closed.jaxpr.eqns)
+    ```
+    """
+    return holds_functions(eqn, _compat.KNOWN_PARAMS)
 
 
 def holds_functions(eqn: JaxprEqn, known: frozenset[str] | set[str] | dict[str, Any]) -> bool:

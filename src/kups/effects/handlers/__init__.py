@@ -15,6 +15,7 @@ from ._remat_opt import default_remat_opt_handler as default_remat_opt_handler
 from ._scan import default_scan_handler as default_scan_handler
 from ._shard_map import default_shard_map_handler as default_shard_map_handler
 from ._while import default_while_handler as default_while_handler
+from ._while import while_with_predicate as while_with_predicate
 
 __all__ = [
     "default_checkpoint_handler",
@@ -30,4 +31,5 @@ __all__ = [
     "default_scan_handler",
     "default_shard_map_handler",
     "default_while_handler",
+    "while_with_predicate",
 ]
