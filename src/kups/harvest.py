@@ -585,19 +585,20 @@ def _interpreter(
     dispatcher = default_dispatcher().register_handler(_sow_p, sow)
     for name, handler in loops.items():
         dispatcher.register_handler(name, skip_when_untouched(handler))
-    interpreter = Interpreter(
-        dispatcher, policy=policy, label=f"kups.harvest.{caller}({selection})"
-    )
-    interpreter.policy_hint = f"{caller}(fn, policy=...)"
 
-    def acts_on(effect: Any, params: dict[str, Any]) -> bool:
+    def acts_on(effect: Any, params: Mapping[str, Any]) -> bool:
         # Whether a sow bound with `params` is one this call takes.
         return effect is not _sow_p or (
             params["tag"] == selection.tag and selection.takes((*params["scope"], params["name"]))
         )
 
-    interpreter.acts_on = acts_on
-    return interpreter
+    return Interpreter(
+        dispatcher,
+        policy=policy,
+        label=f"kups.harvest.{caller}({selection})",
+        policy_hint=f"{caller}(fn, policy=...)",
+        acts_on=acts_on,
+    )
 
 
 class _Reaper:
