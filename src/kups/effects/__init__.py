@@ -13,6 +13,7 @@ from ._equations import varying_axes as varying_axes
 from ._interpreter import Interpreter as Interpreter
 from ._matching import contains_subjaxprs as contains_subjaxprs
 from ._matching import is_library_primitive as is_library_primitive
+from ._matching import sub_jaxprs as sub_jaxprs
 from ._reinterpret import reinterpret as reinterpret
 from ._reinterpret import wraps_with_leading as wraps_with_leading
 from ._types import HandlerResult as HandlerResult
@@ -74,6 +75,7 @@ __all__ = [
     "skip_when_untouched",
     "source_line",
     "source_location",
+    "sub_jaxprs",
     "to_current_mesh",
     "varying_axes",
     "while_with_predicate",

@@ -110,6 +110,34 @@ def contains_subjaxprs(ctx: Any, eqn: JaxprEqn, invals: list[Any]) -> bool:
     return is_control_flow(eqn)
 
 
+def sub_jaxprs(eqn: JaxprEqn) -> tuple[Jaxpr, ...]:
+    """The sub-programs a control-flow equation runs, as open jaxprs.
+
+    Every jaxpr in the equation's params, wherever it sits (inside tuples, dicts
+    or equinox modules of a library primitive too); none for an equation whose
+    only jaxprs are combiners (`scatter-add`'s `update_jaxpr`, `reduce`, `sort`).
+    Effects use it to walk a program ahead of running it: which primitives it
+    reaches, how deep its loops nest.
+
+    **Example:**
+
+    ```python
+    import jax
+    from jax import lax
+    from kups.effects import sub_jaxprs
+
+    closed = jax.make_jaxpr(lambda x: lax.fori_loop(0, 3, lambda i, c: c * 2.0, x))(1.0)
+    (loop,) = [e for e in closed.jaxpr.eqns if sub_jaxprs(e)]
+    assert any(e.primitive.name == "mul" for s in sub_jaxprs(loop) for e in s.eqns)
+    ```
+    """
+    if not is_control_flow(eqn):
+        return ()
+    return tuple(
+        sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub for sub in subjaxprs(eqn.params)
+    )
+
+
 _FUNCTION_TYPES = (types.FunctionType, types.MethodType, functools.partial)
 
 
