@@ -757,3 +757,35 @@ def test_docstring_examples_run():
     for obj in (instrument.count_primitives, instrument.PrimitiveCounts):
         for block in re.findall(r"```python\n(.*?)```", inspect.getdoc(obj) or "", re.S):
             exec(compile(block, f"<docstring of {obj.__name__}>", "exec"), {})
+
+
+def test_exported_counted_function_round_trips():
+    # PrimitiveCounts is registered with jax.export: a jitted counted function
+    # exports, serializes, deserializes and returns the same counts.
+    def f(x, limit):
+        def body(state):
+            i, y = state
+            return i + 1, jnp.sin(y)
+
+        return lax.while_loop(lambda state: state[0] < limit, body, (jnp.int32(0), x))[1]
+
+    exported = jax.export.export(jax.jit(count_primitives(f)))(
+        jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)
+    )
+    restored = jax.export.deserialize(exported.serialize())
+    out, counts = restored.call(X, jnp.int32(4))
+    expected_out, expected = count_primitives(f)(X, jnp.int32(4))
+    assert type(counts) is PrimitiveCounts
+    assert {name: int(count) for name, count in counts.items()} == expected
+    assert expected == {"add": 4, "lt": 5, "sin": 4}
+    assert counts.opaque == {}
+    np.testing.assert_array_equal(out, expected_out)
+
+
+def test_exported_counts_keep_opaque_calls():
+    exported = jax.export.export(jax.jit(count_primitives(around_library_calls, policy=IGNORE)))(
+        jax.ShapeDtypeStruct(X.shape, X.dtype), jax.ShapeDtypeStruct((5,), jnp.float32)
+    )
+    _, counts = jax.export.deserialize(exported.serialize()).call(X, jnp.ones(5))
+    assert {name: int(count) for name, count in counts.opaque.items()} == {"library_call": 6}
+    assert {name: int(count) for name, count in counts.items()} == {"add": 5, "exp": 1}
