@@ -2,7 +2,9 @@
 branch and shard: `count_primitives` (executions by primitive) and `count_flops`
 (FLOPs, transcendentals and bytes accessed)."""
 
+from ._cost import Cost as Cost
 from ._count import count_primitives as count_primitives
 from ._counts import PrimitiveCounts as PrimitiveCounts
+from ._flops import count_flops as count_flops
 
-__all__ = ["PrimitiveCounts", "count_primitives"]
+__all__ = ["Cost", "PrimitiveCounts", "count_flops", "count_primitives"]
