@@ -27,6 +27,7 @@ SECTIONS = (
     "effects_trace",
     "checks_shard_map",
     "nans",
+    "flops",
 )
 RESULTS = Path(__file__).parent / "RESULTS.md"
 SECTION_TIMEOUT = 3600  # seconds; a hung section fails instead of blocking CI
