@@ -408,6 +408,23 @@ def test_report_prints_a_table():
     assert "<table>" in cost._repr_html_() and "dot_general" in cost._repr_html_()
 
 
+def test_conjugate_gradient_inside_custom_linear_solve():
+    # jax.scipy's cg runs a while loop inside custom_linear_solve, which kups enters.
+    n = 10
+    a = jnp.diag(jnp.arange(1.0, n + 1) ** 3) + 0.01
+    b = jnp.ones(n)
+
+    def solve(a, b):
+        return jax.scipy.sparse.linalg.cg(lambda v: a @ v, b, tol=0.0, atol=0.0, maxiter=3)[0]
+
+    out, cost = jax.jit(count_flops(solve))(a, b)
+    # Matrix-vector products: the first residual and one per iteration (3), 2 * n * n
+    # each; inner products (2 * n each): |b|^2 for the tolerance, the first |r|^2,
+    # and two per iteration.
+    assert cost.by_primitive["dot_general"][0] == 4 * 2 * n * n + (2 + 2 * 3) * 2 * n
+    np.testing.assert_allclose(out, solve(a, b), rtol=1e-6)
+
+
 # ---------------------------------------------------------------------------
 # Control flow kups cannot enter.
 # ---------------------------------------------------------------------------
