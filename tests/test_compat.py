@@ -18,7 +18,7 @@ from kups.effects import (
     default_primitive_handler,
     reinterpret,
 )
-from kups.effects._defaults import DEFAULT_HANDLERS
+from kups.effects._registry import DEFAULT_HANDLERS
 
 X = jnp.arange(8.0)
 

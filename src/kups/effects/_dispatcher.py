@@ -12,6 +12,8 @@ import jax.extend.core.primitives
 import jax.lax
 from jax.extend.core import JaxprEqn, Primitive
 
+from ._registry import DEFAULT_HANDLERS
+
 if TYPE_CHECKING:
     from ._interpreter import Interpreter
     from ._types import HandlerResult
@@ -69,8 +71,6 @@ def _known_primitive_names() -> set[str]:
     """The names of the default handlers and of the primitives that `jax.lax` and
     `jax.extend.core.primitives` export: the common names, found in a millisecond."""
     if not _PRIMITIVE_NAMES:
-        from ._defaults import DEFAULT_HANDLERS
-
         _PRIMITIVE_NAMES.update(DEFAULT_HANDLERS)
         for module in (jax.extend.core.primitives, jax.lax):
             for value in vars(module).values():

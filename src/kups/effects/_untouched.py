@@ -31,6 +31,7 @@ from jax.extend.core import Jaxpr
 from . import _compat
 from ._effect import EFFECT_NAMES
 from ._matching import contains_subjaxprs, holds_functions, is_control_flow, subjaxprs
+from ._registry import DEFAULT_HANDLERS
 
 # Options of the default handlers that only matter when a body changes the
 # context: with an untouched body they do nothing. (`updater`, `reduce_ctx` and
@@ -108,8 +109,6 @@ def handled_names(dispatcher: Any) -> Handled | None:
     """Which primitives a dispatcher's handlers take, or `None` when any equation
     might go to one (a fallback handler, or a custom matching rule, which decides
     per equation)."""
-    from ._defaults import DEFAULT_HANDLERS
-
     if dispatcher._fallback is not None or any(
         rule is not contains_subjaxprs for rule in dispatcher._rules
     ):

@@ -9,9 +9,11 @@ from jax.extend.core import JaxprEqn
 from .. import _compat
 from .._body import trace_interpreted
 from .._context import split
+from .._registry import default_handler_for
 from .._types import HandlerResult
 
 
+@default_handler_for("remat2", "checkpoint")
 def default_checkpoint_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:

@@ -8,9 +8,12 @@ from typing import Any
 from jax.extend.core import JaxprEqn
 
 from .. import _compat
+from .._registry import default_handler_for
 from .._types import HandlerResult
 
 
+# `eval_jaxpr`: a call of a jaxpr, from JAX 0.11.
+@default_handler_for("closed_call", "eval_jaxpr", "core_call", "call")
 def default_closed_call_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:

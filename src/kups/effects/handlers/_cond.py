@@ -12,10 +12,12 @@ from .. import _compat
 from .._body import TracedBody, interpret_fn, trace_body, trace_interpreted
 from .._context import CtxSpec, diff, split
 from .._interpreter import where
+from .._registry import default_handler_for
 from .._types import HandlerResult
 from ._loop import forwarded_inputs
 
 
+@default_handler_for("cond")
 def default_cond_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:

@@ -19,6 +19,7 @@ from jax.extend.core import JaxprEqn
 from .. import _compat
 from .._body import TracedBody, trace_interpreted
 from .._context import split
+from .._registry import default_handler_for
 from .._types import HandlerResult
 from ._custom_derivatives import _named_like
 
@@ -34,6 +35,7 @@ def _run(body: TracedBody, consts: Sequence[Any], ctx_values: Sequence[Any], arg
     return out[: body.num_ctx_out], out[body.num_ctx_out :]
 
 
+@default_handler_for("custom_vmap_call")
 def default_custom_vmap_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:

@@ -31,8 +31,10 @@ from jax.extend.core import JaxprEqn
 from .. import _compat
 from .._body import TracedBody, trace_interpreted
 from .._context import split
+from .._defaults import default_dispatcher
 from .._interpreter import Interpreter
 from .._matching import is_control_flow
+from .._registry import default_handler_for
 from .._types import HandlerResult, InterpreterPolicy
 from .._untouched import touched_inside
 
@@ -81,8 +83,6 @@ def _quiet(body: TracedBody) -> Callable[[list[Any], list[Any]], tuple[list[Any]
     only the rule."""
     if not _has_debug_callback(body.jaxpr):
         return body.call
-    from .._defaults import default_dispatcher  # here: it imports this module
-
     dispatcher = default_dispatcher()
     for name in sorted(_DEBUG_PRIMITIVES):
         dispatcher = dispatcher.register_handler(name, _drop)
@@ -153,6 +153,7 @@ def _split_perturbed(
     return chosen, merge
 
 
+@default_handler_for("custom_jvp_call")
 def default_custom_jvp_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:
@@ -234,6 +235,7 @@ def _as_cotangent(ct: Any, aval: Any) -> Any:
     return ct
 
 
+@default_handler_for("custom_vjp_call", "custom_vjp_call_jaxpr")
 def default_custom_vjp_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:

@@ -9,10 +9,13 @@ from jax.extend.core import JaxprEqn
 from .. import _compat
 from .._body import trace_interpreted
 from .._context import split
+from .._registry import default_handler_for
 from .._types import HandlerResult
 from ._loop import trim_call
 
 
+# `pjit`: the name of `jit` before JAX 0.7.
+@default_handler_for("jit", "pjit")
 def default_jit_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:

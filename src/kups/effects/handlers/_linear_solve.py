@@ -11,9 +11,11 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn
 from .. import _compat
 from .._body import trace_interpreted
 from .._context import split
+from .._registry import default_handler_for
 from .._types import HandlerResult
 
 
+@default_handler_for("custom_linear_solve")
 def default_custom_linear_solve_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:

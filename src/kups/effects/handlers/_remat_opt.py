@@ -20,6 +20,7 @@ from jax.extend.core import Jaxpr, JaxprEqn
 from .. import _compat
 from .._body import trace_interpreted
 from .._context import split
+from .._registry import default_handler_for
 from .._types import HandlerResult
 
 
@@ -31,6 +32,7 @@ def _primal_thunk(jaxpr: Jaxpr, leading: list[Any]) -> Callable[[], tuple[Jaxpr,
     return lambda: (closed, consts)
 
 
+@default_handler_for("remat_opt")
 def default_remat_opt_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:

@@ -11,6 +11,7 @@ from .. import _compat
 from .._body import TracedBody, trace_interpreted
 from .._context import CtxSpec, same_type, split
 from .._interpreter import where
+from .._registry import default_handler_for
 from .._types import HandlerResult, ScanSemantics
 from ._loop import (
     Initializer,
@@ -25,6 +26,7 @@ from ._loop import (
 )
 
 
+@default_handler_for("scan")
 def default_scan_handler(
     interpreter: Any,
     ctx: Any,

@@ -16,6 +16,7 @@ from .. import _compat
 from .._body import interpret_fn, trace_body
 from .._context import CtxSpec, split
 from .._interpreter import where
+from .._registry import default_handler_for
 from .._types import HandlerResult
 from ._loop import trim_call
 
@@ -216,6 +217,7 @@ def _divisibility_problem(pspec: PartitionSpec, shape: tuple[int, ...], mesh: An
     return None
 
 
+@default_handler_for("shard_map")
 def default_shard_map_handler(
     interpreter: Any,
     ctx: Any,

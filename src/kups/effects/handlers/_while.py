@@ -13,6 +13,7 @@ from .. import _compat
 from .._body import TracedBody, trace_body, trace_interpreted
 from .._context import CtxSpec, diff
 from .._interpreter import where
+from .._registry import default_handler_for
 from .._types import HandlerResult
 from ._loop import (
     Initializer,
@@ -26,6 +27,7 @@ from ._loop import (
 )
 
 
+@default_handler_for("while")
 def default_while_handler(
     interpreter: Any,
     ctx: Any,
