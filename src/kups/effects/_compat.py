@@ -71,69 +71,32 @@ def bind_equation(primitive: Any, params: dict[str, Any], invals: Sequence[Any])
     return list(out) if primitive.multiple_results else [out]
 
 
+def wrapped_in(fun: Any, around: Callable[[], Any]) -> Any:
+    """The `linear_util.WrappedFun` `fun` (a `custom_vjp_call`'s `bwd` param, a
+    `WrappedFun` in JAX 0.10 to 0.12) that runs inside the context `around()`."""
+
+    def call(*args: Any) -> Any:
+        with around():
+            return fun.call_wrapped(*args)
+
+    return _lu.wrap_init(call, debug_info=fun.debug_info)
+
+
 # An equation runs under `user_context(eqn.source_info.traceback, name_stack=...)`
 # and `eqn.ctx.manager`, as `jax.core.eval_jaxpr` runs it (JAX 0.10).
 user_context = _source_info_util.user_context
 current_name_stack = _source_info_util.current_name_stack
 
 
-# kups' own frames are not the user's: an effect bound by `define_effect`'s
-# `bind` (or by `kups.harvest.sow`) is attributed to the caller of kups.
-_KUPS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# The frames of a traceback that JAX counts as the user's (those of files not
+# registered as excluded, as kups' are), innermost first (JAX 0.10 to 0.12).
+user_frames = _source_info_util.user_frames
 
 
-# The demo is a user program that ships inside the package: its lines are the
-# user's lines.
-_USER_FILES_IN_KUPS = frozenset({os.path.join(_KUPS_DIR, "_demo.py")})
-
-
-def _is_kups_frame(file_name: str) -> bool:
-    return file_name.startswith(_KUPS_DIR) and file_name not in _USER_FILES_IN_KUPS
-
-
-def _user_frame(eqn: JaxprEqn) -> Any:
-    frames = _source_info_util.user_frames(eqn.source_info.traceback)
-    return next((f for f in frames if not _is_kups_frame(f.file_name)), None)
-
-
-def _is_installed_library(file_name: str) -> bool:
-    return any(part in file_name for part in _INSTALLED)
-
-
-_INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
-
-
-def _show_frame(frame: Any) -> str:
-    column = f":{frame.start_column}" if frame.start_column else ""
-    return f"{frame.file_name}:{frame.start_line}{column} ({frame.function_name})"
-
-
-def source_line(eqn: JaxprEqn) -> str:
-    """`file.py:LINE (function)` of the user's code that produced `eqn`. When that
-    line is in an installed library (an equinox primitive, a diffrax solver), the
-    line of the user's own code that called into it follows: `lib.py:LINE (fn),
-    called from user.py:LINE (fn)`."""
-    frames = [
-        f
-        for f in _source_info_util.user_frames(eqn.source_info.traceback)
-        if not _is_kups_frame(f.file_name)
-    ]
-    if not frames:
-        return "unknown"
-    shown = _show_frame(frames[0])
-    if _is_installed_library(frames[0].file_name):
-        caller = next((f for f in frames if not _is_installed_library(f.file_name)), None)
-        if caller is not None:
-            shown += f", called from {_show_frame(caller)}"
-    return shown
-
-
-def user_frame(eqn: JaxprEqn) -> tuple[str, int] | None:
-    """`(file, line)` of the user's code that produced `eqn`, if known."""
-    frame = _user_frame(eqn)
-    if frame is None:
-        return None
-    return frame.file_name, frame.start_line
+def current_traceback() -> Any:
+    """The traceback equations bound now would carry: the one an interpreter set
+    for the equation it runs, else the Python stack (JAX 0.10 to 0.12)."""
+    return _source_info_util.current().traceback
 
 
 # ---------------------------------------------------------------------------
@@ -255,28 +218,6 @@ KNOWN_PARAMS: dict[str, frozenset[str]] = {
     # even when nothing inside it is touched. Unlisted, it is re-bound quietly
     # unless a handler would see something inside it.
 }
-
-
-def check_params(eqn: JaxprEqn) -> None:
-    """Raises if `eqn` carries a parameter that kups does not know for its primitive.
-
-    A JAX release newer than the ones kups supports may add one; re-binding the
-    equation without understanding it could change the program silently.
-    """
-    known = KNOWN_PARAMS.get(eqn.primitive.name)
-    if known is None:
-        return
-    unknown = sorted(set(eqn.params) - known)
-    if unknown:
-        names = ", ".join(repr(name) for name in unknown)
-        raise NotImplementedError(
-            f"kups does not know the parameter(s) {names} of the control-flow primitive "
-            f"'{eqn.primitive.name}' at {source_line(eqn)}, which JAX {jax.__version__} "
-            f"gives it. kups supports JAX {SUPPORTED_JAX}, where '{eqn.primitive.name}' has "
-            f"only {sorted(known)}; re-binding the equation without understanding "
-            f"{names} could change your program, so kups stops here. Use a JAX release in "
-            f"that range, or a kups release that supports JAX {jax.__version__}."
-        )
 
 
 def scan_layout(params: dict[str, Any]) -> tuple[int, int]:

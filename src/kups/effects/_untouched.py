@@ -271,3 +271,19 @@ def _run(plan: Sequence[tuple[Any, bool, list[Any]]], end: int) -> Run:
         defined.update(eqn.outvars)
         outvars += [v for v in eqn.outvars if v not in last_used_here]
     return Run(end, _compat.new_jaxpr(list(invars), outvars, eqns, RUN_NAME), free)
+
+
+def bind_run(run: Run, env: dict[Any, Any], eqn: Any, name_stack: Any) -> bool:
+    """Binds `run` (whose first equation is `eqn`) as one call on the values of
+    `env`, and puts its outputs there: `False`, binding nothing, when the values
+    are not of the types the run was cut for."""
+    invals = [env[v] for v in run.jaxpr.invars]
+    if not all(_compat.aval_of(x) == v.aval for x, v in zip(invals, run.jaxpr.invars)):
+        return False
+    with _compat.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        outvals = _compat.call_jaxpr(run.jaxpr, invals, RUN_NAME)
+    env.update(zip(run.jaxpr.outvars, outvals, strict=True))
+    del outvals
+    for v in run.free:
+        env.pop(v, None)
+    return True

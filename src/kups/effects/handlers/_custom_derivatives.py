@@ -34,9 +34,11 @@ from .._context import split
 from .._defaults import default_dispatcher
 from .._interpreter import Interpreter
 from .._matching import is_control_flow
+from .._policy import BackwardPass
 from .._registry import default_handler_for
 from .._types import HandlerResult, InterpreterPolicy
 from .._untouched import touched_inside
+from .._validation import check_params
 
 _SymbolicZero = _compat.symbolic_zero_type()
 
@@ -164,7 +166,7 @@ def default_custom_jvp_handler(
     `symbolic_zeros=True` sees the others' tangents as symbolic zeros, as in plain
     JAX); the context carries no tangent (its tangents are zero).
     """
-    _compat.check_params(eqn)
+    check_params(eqn)
     body, ctx_values = _traced(interpreter, ctx, eqn, "custom_jvp")
     original = _original(eqn)
 
@@ -246,7 +248,7 @@ def default_custom_vjp_handler(
     inputs only: a rule declared with `symbolic_zeros=True` sees `.perturbed`
     false for constants, as in plain JAX. The context gets zero cotangents.
     """
-    _compat.check_params(eqn)
+    check_params(eqn)
     body, ctx_values = _traced(interpreter, ctx, eqn, "custom_vjp")
     original = _original(eqn)
     out_avals = tuple(v.aval for v in eqn.outvars)
@@ -286,7 +288,10 @@ def default_custom_vjp_handler(
 
     def primal_bwd(residual: Any, cotangents: Any) -> Any:
         _, out_cotangents = cotangents
-        return [None] * num_ctx, residual(list(out_cotangents))
+        # The user's rule runs now, when JAX differentiates: an effect it binds
+        # is one no interpreter sees any more.
+        with BackwardPass(interpreter, eqn).watching():
+            return [None] * num_ctx, residual(list(out_cotangents))
 
     primal = _named_like(primal, _debug_info(eqn, "call_jaxpr"))
     primal_fwd = _named_like(primal_fwd, _debug_info(eqn, "fwd_jaxpr_thunk"))
