@@ -93,12 +93,6 @@ current_name_stack = _source_info_util.current_name_stack
 user_frames = _source_info_util.user_frames
 
 
-def current_traceback() -> Any:
-    """The traceback equations bound now would carry: the one an interpreter set
-    for the equation it runs, else the Python stack (JAX 0.10 to 0.12)."""
-    return _source_info_util.current().traceback
-
-
 # ---------------------------------------------------------------------------
 # Tracing a Python function to a jaxpr, inside whatever trace is current.
 # ---------------------------------------------------------------------------

@@ -137,9 +137,35 @@ def _key(prim: Primitive | str) -> str:
     if not isinstance(name, str):
         raise TypeError(
             f"A handler is registered for a primitive or a primitive's name, got "
-            f"{type(prim).__name__}: {prim!r}."
+            f"{type(prim).__name__}: {prim!r}.{_function_hint(prim)}"
         )
     return name
+
+
+def _function_hint(value: Any) -> str:
+    """For a function given where a primitive belongs (`jnp.sin`, or a handler
+    passed first): the primitive names it binds, and the question of a swap."""
+    if not callable(value):
+        return ""
+    function_name = getattr(value, "__name__", None)
+    hint = ""
+    if isinstance(function_name, str):
+        _known_primitive_names()
+        if function_name not in _PRIMITIVE_NAMES:
+            _add_live_primitive_names()
+        exact = function_name in _PRIMITIVE_NAMES
+        names = [function_name] if exact else _suggestions(function_name)
+        if names:
+            shown = " or ".join(repr(n) for n in names[:3])
+            hint += (
+                f" {function_name} is a function, not a primitive: handlers are keyed by "
+                f"the primitive it binds, did you mean {shown} "
+                f"(register_handler({names[0]!r}, handler))?"
+            )
+    return hint + (
+        " Or were the arguments swapped? The primitive comes first: "
+        "register_handler(primitive, handler)."
+    )
 
 
 class Dispatcher:

@@ -23,7 +23,7 @@ from ._policy import BackwardPass
 from ._source import api_boundary
 from ._types import InterpreterPolicy
 from ._untouched import Handled, bind_run, handled_names
-from ._validation import check_arguments, check_static_leaves, checked_result
+from ._validation import check_arguments, check_static_leaves, checked_result, in_handler
 
 is_literal = _compat.is_literal
 user_context = _compat.user_context
@@ -214,7 +214,14 @@ class Interpreter:
         if walk.skips is not None and walk.skips[index]:
             return ctx, self._bind_unchanged(eqn, invals, walk.watch_effects)
         if handler is not None:
-            new_ctx, outvals = checked_result(handler, eqn, handler(self, ctx, eqn, invals))
+            try:
+                result = handler(self, ctx, eqn, invals)
+            except Exception as err:
+                wrapped = in_handler(err, handler, eqn, ctx)
+                if wrapped is None:
+                    raise
+                raise wrapped from err
+            new_ctx, outvals = checked_result(handler, eqn, result)
             if control_flow:
                 check_static_leaves(handler, eqn, ctx, new_ctx)
             return new_ctx, outvals
@@ -224,7 +231,14 @@ class Interpreter:
             )
             return ctx, outvals
         if walk.fallback is not None:
-            return checked_result(walk.fallback, eqn, walk.fallback(self, ctx, eqn, invals))
+            try:
+                result = walk.fallback(self, ctx, eqn, invals)
+            except Exception as err:
+                wrapped = in_handler(err, walk.fallback, eqn, ctx)
+                if wrapped is None:
+                    raise
+                raise wrapped from err
+            return checked_result(walk.fallback, eqn, result)
         if not walk.watch_effects:
             return ctx, _compat.bind_equation(eqn.primitive, eqn.params, invals)
         outvals = self._bind_unchanged(eqn, invals, watch_effects=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,7 +58,7 @@ def is_library_file(file_name: str) -> bool:
 _INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 
 
-def _is_installed_library(file_name: str) -> bool:
+def is_installed_library(file_name: str) -> bool:
     return any(part in file_name for part in _INSTALLED)
 
 
@@ -83,8 +84,8 @@ def source_line(eqn: JaxprEqn) -> str:
     if not frames:
         return "unknown"
     shown = _show_frame(frames[0])
-    if _is_installed_library(frames[0].file_name):
-        caller = next((f for f in frames if not _is_installed_library(f.file_name)), None)
+    if is_installed_library(frames[0].file_name):
+        caller = next((f for f in frames if not is_installed_library(f.file_name)), None)
         if caller is not None:
             shown += f", called from {_show_frame(caller)}"
     return shown
@@ -96,9 +97,10 @@ def user_frame(eqn: JaxprEqn) -> tuple[str, int] | None:
     return (frames[0].file_name, frames[0].start_line) if frames else None
 
 
-# The traceback of the call of the function being interpreted (set by
+# The Python frame of the call of the function being interpreted (set by
 # `reinterpret`): the user's line for the equations that function itself makes
 # when it is a `jax.jit` or `jax.shard_map` of the user's, whose frames are JAX's.
+# A frame rather than JAX's traceback: under `jax.jit` that stops at the jit.
 _CALL_SITE: contextvars.ContextVar[Any] = contextvars.ContextVar("kups_call_site", default=None)
 
 
@@ -106,11 +108,25 @@ _CALL_SITE: contextvars.ContextVar[Any] = contextvars.ContextVar("kups_call_site
 def call_site() -> Iterator[None]:
     """Within it, `where` names the line that called the function being
     interpreted for an equation that has no line of the user's."""
-    token = _CALL_SITE.set(_compat.current_traceback())
+    token = _CALL_SITE.set(sys._getframe(2))  # the caller of the `with`'s function
     try:
         yield
     finally:
         _CALL_SITE.reset(token)
+
+
+def _call_site_line() -> str | None:
+    frame = _CALL_SITE.get()
+    while frame is not None:
+        file_name = frame.f_code.co_filename
+        if not (
+            is_library_file(file_name)
+            or is_installed_library(file_name)
+            or file_name.startswith("<frozen")
+        ):
+            return f"{file_name}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return None
 
 
 def where(eqn: JaxprEqn) -> str:
@@ -121,11 +137,9 @@ def where(eqn: JaxprEqn) -> str:
     """
     line = source_line(eqn)
     if line == "unknown":
-        traceback = _CALL_SITE.get()
-        frames = [] if traceback is None else _compat.user_frames(traceback)
-        frame = next((f for f in frames if not is_library_file(f.file_name)), None)
-        if frame is not None:
-            line = f"{_show_frame(frame)}, in the function called there"
+        called = _call_site_line()
+        if called is not None:
+            line = f"{called}, in the function called there"
     return f"primitive '{eqn.primitive.name}' at {line}"
 
 

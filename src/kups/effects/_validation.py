@@ -3,6 +3,7 @@ parameters of the control-flow equations handlers re-bind."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -25,6 +26,81 @@ def check_arguments(label: str, closed_jaxpr: Any, args: tuple[Any, ...]) -> tup
             f"inputs, got {len(args)} arguments."
         )
     return jaxpr, consts
+
+
+def in_handler(err: Exception, handler: Any, eqn: JaxprEqn, ctx: Any) -> Exception | None:
+    """`err`, raised by the user's code in `handler` (the handler itself, or a hook
+    it calls such as `reduce_ctx`) for `eqn`, as an exception of the same type
+    whose message adds which handler, which equation and what the context was
+    (`err` is its cause); `None` for an error of kups' own, which already says
+    where, or one that was given this context already."""
+    raised_at = None if getattr(err, "_kups_context", False) else _user_line(err)
+    if raised_at is None:
+        return None
+    hooks = ""
+    if isinstance(handler, functools.partial) and handler.keywords:
+        hooks = f" (with {', '.join(f'{k}=' for k in handler.keywords)})"
+    message = (
+        f"{err}\n\nkups: raised at {raised_at}, in the handler {handler_name(handler)}"
+        f"{hooks} for the {where(eqn)}, called with the context {_describe(ctx)}. A "
+        f"handler receives the context as it was given to the interpreted function (or "
+        f"as the previous handler returned it): check that it has the structure your "
+        f"handler and its hooks expect."
+    )
+    try:
+        wrapped = type(err)(message)
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        return None
+    wrapped._kups_context = True  # pyright: ignore[reportAttributeAccessIssue]
+    return wrapped
+
+
+def _user_line(err: BaseException) -> str | None:
+    """`file:LINE (function)` of the innermost frame of `err` outside installed
+    libraries (JAX, NumPy) when it is the user's; `None` when it is kups'."""
+    frames = []
+    tb = err.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code, tb.tb_lineno))
+        tb = tb.tb_next
+    for code, line in reversed(frames):
+        if _source.is_library_file(code.co_filename):
+            return None
+        if not _source.is_installed_library(code.co_filename):
+            return f"{code.co_filename}:{line} ({code.co_name})"
+    return None
+
+
+def _describe(ctx: Any) -> str:
+    """A short description of a context: its leaves' types in its structure."""
+    if _is_array(ctx):
+        return f"{_compat.aval_of(ctx).str_short(short_dtypes=True)} (an array)"
+    shown = repr(
+        jax.tree.map(
+            lambda leaf: (
+                _Shown(_compat.aval_of(leaf).str_short(short_dtypes=True))
+                if _is_array(leaf)
+                else leaf
+            ),
+            ctx,
+        )
+    )
+    if len(shown) > 200:
+        shown = shown[:197] + "..."
+    return f"{shown} (of type {type(ctx).__name__})"
+
+
+class _Shown(str):
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _is_array(leaf: Any) -> bool:
+    try:
+        _compat.aval_of(leaf)
+    except TypeError:
+        return False
+    return hasattr(leaf, "shape")
 
 
 def checked_result(handler: Any, eqn: JaxprEqn, result: Any) -> tuple[Any, list[Any]]:
