@@ -220,7 +220,8 @@ class Interpreter:
                 wrapped = in_handler(err, handler, eqn, ctx)
                 if wrapped is None:
                     raise
-                raise wrapped from err
+                # The user's frames stay the traceback's innermost.
+                raise wrapped.with_traceback(err.__traceback__) from err
             new_ctx, outvals = checked_result(handler, eqn, result)
             if control_flow:
                 check_static_leaves(handler, eqn, ctx, new_ctx)
@@ -237,7 +238,8 @@ class Interpreter:
                 wrapped = in_handler(err, walk.fallback, eqn, ctx)
                 if wrapped is None:
                     raise
-                raise wrapped from err
+                # The user's frames stay the traceback's innermost.
+                raise wrapped.with_traceback(err.__traceback__) from err
             return checked_result(walk.fallback, eqn, result)
         if not walk.watch_effects:
             return ctx, _compat.bind_equation(eqn.primitive, eqn.params, invals)
