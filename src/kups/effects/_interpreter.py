@@ -214,15 +214,7 @@ class Interpreter:
         if walk.skips is not None and walk.skips[index]:
             return ctx, self._bind_unchanged(eqn, invals, walk.watch_effects)
         if handler is not None:
-            try:
-                result = handler(self, ctx, eqn, invals)
-            except Exception as err:
-                wrapped = in_handler(err, handler, eqn, ctx)
-                if wrapped is None:
-                    raise
-                # The user's frames stay the traceback's innermost.
-                raise wrapped.with_traceback(err.__traceback__) from err
-            new_ctx, outvals = checked_result(handler, eqn, result)
+            new_ctx, outvals = self._call(handler, ctx, eqn, invals)
             if control_flow:
                 check_static_leaves(handler, eqn, ctx, new_ctx)
             return new_ctx, outvals
@@ -232,21 +224,28 @@ class Interpreter:
             )
             return ctx, outvals
         if walk.fallback is not None:
-            try:
-                result = walk.fallback(self, ctx, eqn, invals)
-            except Exception as err:
-                wrapped = in_handler(err, walk.fallback, eqn, ctx)
-                if wrapped is None:
-                    raise
-                # The user's frames stay the traceback's innermost.
-                raise wrapped.with_traceback(err.__traceback__) from err
-            return checked_result(walk.fallback, eqn, result)
+            return self._call(walk.fallback, ctx, eqn, invals)
         if not walk.watch_effects:
             return ctx, _compat.bind_equation(eqn.primitive, eqn.params, invals)
         outvals = self._bind_unchanged(eqn, invals, watch_effects=True)
         if walk.holders is not None and walk.holders[index] and _compat.is_staging():
             self._probe(eqn)
         return ctx, outvals
+
+    def _call(
+        self, handler: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
+    ) -> tuple[Any, list[Any]]:
+        """`(ctx, outvals)` from `handler`, checked; an error raised by the user's
+        code in it gets kups' context (see `in_handler`)."""
+        try:
+            result = handler(self, ctx, eqn, invals)
+        except Exception as err:
+            wrapped = in_handler(err, handler, eqn, ctx)
+            if wrapped is None:
+                raise
+            # The user's frames stay the traceback's innermost.
+            raise wrapped.with_traceback(err.__traceback__) from err
+        return checked_result(handler, eqn, result)
 
     def _bind_unchanged(self, eqn: JaxprEqn, invals: list[Any], watch_effects: bool) -> list[Any]:
         if not watch_effects:
