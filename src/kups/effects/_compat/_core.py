@@ -1,5 +1,10 @@
 """Basic adapters: JAX's types, binding an equation, source info and traceback
-filtering, effect registration, and the trace state (JAX 0.10 to 0.12)."""
+filtering, effect registration, and the trace state (JAX 0.10 to 0.12).
+
+Each helper serves JAX 0.10.0 to 0.12.x, the releases kups supports, where it
+reads a `jax._src` symbol or a parameter whose name or shape differs between
+them; a helper that serves fewer releases names them.
+"""
 
 from __future__ import annotations
 

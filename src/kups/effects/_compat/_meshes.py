@@ -1,4 +1,9 @@
-"""Meshes, manual axes and shardings: how JAX types them moves between releases."""
+"""Meshes, manual axes and shardings: how JAX types them moves between releases.
+
+Each helper serves JAX 0.10.0 to 0.12.x, the releases kups supports, where it
+reads a `jax._src` symbol or a parameter whose name or shape differs between
+them; a helper that serves fewer releases names them.
+"""
 
 from __future__ import annotations
 

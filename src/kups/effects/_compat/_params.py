@@ -1,5 +1,10 @@
 """The parameters of the control-flow primitives, which move between JAX
-releases (`scan`'s layout in 0.11, `shard_map`'s manual axes in 0.10.2)."""
+releases (`scan`'s layout in 0.11, `shard_map`'s manual axes in 0.10.2).
+
+Each helper serves JAX 0.10.0 to 0.12.x, the releases kups supports, where it
+reads a `jax._src` symbol or a parameter whose name or shape differs between
+them; a helper that serves fewer releases names them.
+"""
 
 from __future__ import annotations
 
