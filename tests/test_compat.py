@@ -17,8 +17,9 @@ from kups.effects import (
     default_dispatcher,
     default_primitive_handler,
     reinterpret,
+    source_line,
 )
-from kups.effects._defaults import DEFAULT_HANDLERS
+from kups.effects._registry import DEFAULT_HANDLERS
 
 X = jnp.arange(8.0)
 
@@ -175,10 +176,10 @@ def test_source_line_of_an_equation_in_an_installed_library_names_the_callers_li
     eqns = jax.make_jaxpr(user_fn)(1.0).eqns
     sine = next(e for e in eqns if e.primitive.name == "sin")
     mul = next(e for e in eqns if e.primitive.name == "mul")
-    assert _compat.source_line(sine).startswith(f"{package / '__init__.py'}:4")
-    assert ", called from " in _compat.source_line(sine)
-    assert _compat.source_line(sine).endswith("user_fn)")
-    assert "test_compat.py" in _compat.source_line(sine).split(", called from ")[1]
+    assert source_line(sine).startswith(f"{package / '__init__.py'}:4")
+    assert ", called from " in source_line(sine)
+    assert source_line(sine).endswith("user_fn)")
+    assert "test_compat.py" in source_line(sine).split(", called from ")[1]
     # The user's own line is shown alone.
-    assert "called from" not in _compat.source_line(mul)
-    assert "test_compat.py" in _compat.source_line(mul)
+    assert "called from" not in source_line(mul)
+    assert "test_compat.py" in source_line(mul)

@@ -18,7 +18,9 @@ from kups.effects import (
     Uninitialized,
     default_dispatcher,
     default_scan_handler,
+    default_shard_map_handler,
     default_while_handler,
+    define_effect,
     reinterpret,
 )
 
@@ -336,3 +338,209 @@ def test_unhandled_control_flow_names_what_would_be_lost():
         reinterpret(lambda x: jax.jit(jnp.sin)(x), Interpreter(dispatcher))(0, X)
     with pytest.raises(NotImplementedError, match="nothing inside it goes to a handler"):
         reinterpret(user_jit, Interpreter(dispatcher))(0, X)
+
+
+# ---------------------------------------------------------------------------
+# Messages about a function that is itself a jit or a shard_map, about errors
+# raised in the user's handlers and hooks, and about a backward pass run after
+# the interpreter returned.
+# ---------------------------------------------------------------------------
+
+
+def test_a_jitted_function_given_to_reinterpret_is_placed_at_the_users_call():
+    no_jit = Interpreter(default_dispatcher().unregister_handler("jit"))
+    with pytest.raises(NotImplementedError) as info:
+        LINES["call_jit"] = _next_line()
+        reinterpret(jax.jit(jnp.sin), no_jit)(0, X)
+    message = str(info.value)
+    assert "primitive 'jit' at " in message and f"{at('call_jit')} (" in message
+    assert "in the function called there" in message
+    assert "unknown" not in message
+
+
+def test_a_jitted_function_under_jit_is_placed_at_the_users_call():
+    no_jit = Interpreter(default_dispatcher().unregister_handler("jit"))
+    with pytest.raises(NotImplementedError) as info:
+        LINES["call_jit_jit"] = _next_line()
+        jax.jit(reinterpret(jax.jit(jnp.sin), no_jit))(0, X)
+    assert f"{at('call_jit_jit')} (" in str(info.value)
+
+
+def test_reduce_ctx_axis_suggestion_for_a_shard_map_given_to_reinterpret_names_the_line():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    spec = jax.sharding.PartitionSpec("data")
+    body = jax.shard_map(jnp.sin, mesh=mesh, in_specs=spec, out_specs=spec)
+    typo = functools.partial(default_shard_map_handler, reduce_ctx=lambda c: lax.psum(c, "dat"))
+    dispatcher = default_dispatcher().register_handler("shard_map", typo)
+    dispatcher.register_handler("sin", lambda i, c, e, v: HandlerResult(c + 1.0, [jnp.sin(v[0])]))
+    x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, spec))
+    with pytest.raises(ValueError) as info:
+        LINES["call_shard_map"] = _next_line()
+        reinterpret(body, Interpreter(dispatcher))(jnp.float32(0), x)
+    message = str(info.value)
+    assert f"{at('call_shard_map')} (" in message
+    assert "'dat' (did you mean 'data'?)" in message
+
+
+def _causes(err: BaseException) -> list[BaseException]:
+    chain = []
+    while err.__cause__ is not None:
+        err = err.__cause__
+        chain.append(err)
+    return chain
+
+
+def count_in_dict(interpreter, ctx, eqn, invals):
+    LINES["dict_handler"] = _next_line()
+    return HandlerResult({**ctx, "sin": ctx["sin"] + 1}, [jnp.sin(invals[0])])
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_context_of_the_wrong_kind_names_the_handler_the_equation_and_the_context(jit):
+    wrapped = reinterpret(user_sin, with_sin_handler(count_in_dict))
+    if jit:
+        wrapped = jax.jit(wrapped)
+    with pytest.raises(TypeError) as info:
+        wrapped(0, X)
+    message = str(info.value)
+    assert "is not a mapping" in message  # JAX's own words come first
+    assert f"{at('dict_handler')} (count_in_dict), in the handler count_in_dict" in message
+    assert "kups: raised at" in message and "for the primitive 'sin' at " in message
+    assert f"{at('sin')}:" in message and "(user_sin), called with the context" in message
+    assert ("i32[] (an array)" if jit else "the context 0 (of type int)") in message
+    original = _causes(info.value)[-1]  # JAX may put its own record between
+    assert isinstance(original, TypeError) and "kups" not in str(original)
+    assert "is not a mapping" in str(original)
+
+
+def test_a_dict_context_works_with_the_same_handler():
+    out, ctx = reinterpret(user_sin, with_sin_handler(count_in_dict))({"sin": 0}, X)
+    assert ctx == {"sin": 1}
+    assert (out == user_sin(X)).all()
+
+
+def test_reduce_ctx_error_on_a_scalar_leaf_gets_kups_context():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    spec = jax.sharding.PartitionSpec("data")
+    body = jax.shard_map(user_sin, mesh=mesh, in_specs=spec, out_specs=spec)
+
+    def reduce(ctx):
+        LINES["reduce"] = _next_line()
+        return jnp.sum(ctx, axis=0)
+
+    handler = functools.partial(default_shard_map_handler, reduce_ctx=reduce)
+    dispatcher = default_dispatcher().register_handler("shard_map", handler)
+    dispatcher.register_handler("sin", lambda i, c, e, v: HandlerResult(c + 1.0, [jnp.sin(v[0])]))
+    x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, spec))
+
+    def user(x):
+        LINES["user_shard_map"] = _next_line()
+        return body(x)
+
+    with pytest.raises(ValueError) as info:
+        reinterpret(user, Interpreter(dispatcher))(jnp.float32(0), x)
+    message = str(info.value)
+    assert "out of bounds" in message
+    assert f"{at('reduce')} (reduce), in the handler" in message
+    assert "default_shard_map_handler (with reduce_ctx=)" in message
+    assert f"{at('user_shard_map')}:" in message
+    assert "f32[]" in message
+    assert "out of bounds" in str(_causes(info.value)[-1])
+    assert "kups" not in str(_causes(info.value)[-1])
+
+
+def test_errors_of_kups_own_handlers_are_not_wrapped():
+    # The scan handler's own message already says where: no second kups paragraph.
+    bad = functools.partial(default_scan_handler, updater=lambda ctx, i: {"new": 1})
+    interpreter = Interpreter(default_dispatcher().register_handler("scan", bad))
+    with pytest.raises(Exception) as info:
+        reinterpret(user_sin_in_scan, interpreter)({}, X)
+    assert "kups: raised at" not in str(info.value)
+
+
+def test_register_handler_with_a_function_suggests_the_primitive_name_and_a_swap():
+    with pytest.raises(TypeError) as info:
+        default_dispatcher().register_handler(jnp.sin, count_in_dict)  # pyright: ignore[reportArgumentType]
+    message = str(info.value)
+    assert "did you mean 'sin'" in message
+    assert "register_handler('sin', handler)" in message
+    assert "arguments swapped" in message
+    with pytest.raises(TypeError, match="arguments swapped"):
+        default_dispatcher().register_handler(count_in_dict, "sin")  # pyright: ignore[reportArgumentType]
+
+
+# The cookbook's gradient tap.
+cotangent_p = define_effect("test_core_errors_cotangent")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def tap(x, name):
+    return x
+
+
+def _tap_backward(name, residuals, cotangent):
+    (cotangent,) = cotangent_p.bind(cotangent, name=name)
+    return (cotangent,)
+
+
+tap.defvjp(lambda x, name: (x, None), _tap_backward)
+
+
+def keep_cotangent(interpreter, ctx, eqn, invals):
+    return HandlerResult({**ctx, eqn.params["name"]: invals[0]}, list(invals))
+
+
+def tap_loss(w, x):
+    LINES["tap"] = _next_line()
+    hidden = tap(jnp.tanh(x @ w), "hidden")
+    return jnp.sum(hidden**2)
+
+
+W, XS = jnp.arange(6.0).reshape(3, 2) / 6, jnp.ones((4, 3))
+
+
+def taps(**kwargs):
+    return Interpreter(default_dispatcher().register_handler(cotangent_p, keep_cotangent), **kwargs)
+
+
+def test_gradient_tap_records_when_the_gradient_function_is_interpreted():
+    grads, tapped = reinterpret(jax.grad(tap_loss), taps())({}, W, XS)
+    hidden = jnp.tanh(XS @ W)
+    assert jnp.allclose(tapped["hidden"], jax.grad(lambda h: jnp.sum(h**2))(hidden))
+    assert jnp.allclose(grads, jax.grad(tap_loss)(W, XS))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_gradient_of_an_interpreted_function_with_a_tap_is_loud(jit):
+    grad = jax.grad(lambda w: reinterpret(tap_loss, taps())({}, w, XS)[0])
+    if jit:
+        grad = jax.jit(grad)
+    with pytest.raises(NotImplementedError) as info:
+        grad(W)
+    assert type(info.value).__name__ == "LostEffectError"
+    message = str(info.value)
+    assert "'test_core_errors_cotangent'" in message
+    assert "backward rule of the custom_vjp" in message
+    assert "primitive 'custom_vjp_call' at " in message and f"{at('tap')}:" in message
+    assert "reinterpret(jax.grad(f), interpreter)" in message
+
+
+def test_gradient_of_an_interpreted_function_with_a_tap_warns_or_goes_on_by_the_policy():
+    plain = jax.grad(tap_loss)(W, XS)
+    ignoring = jax.grad(
+        lambda w: reinterpret(tap_loss, taps(policy=InterpreterPolicy.IGNORE))({}, w, XS)[0]
+    )
+    assert jnp.array_equal(ignoring(W), plain)
+    warning = jax.grad(
+        lambda w: reinterpret(tap_loss, taps(policy=InterpreterPolicy.WARN))({}, w, XS)[0]
+    )
+    with pytest.warns(UserWarning, match="backward rule of the custom_vjp"):
+        assert jnp.array_equal(warning(W), plain)
+
+
+def test_gradient_of_an_interpreted_function_whose_tap_is_not_handled_is_quiet():
+    # An interpreter that does not handle the effect loses nothing: no error.
+    plain = jax.grad(tap_loss)(W, XS)
+    identity = Interpreter(default_dispatcher())
+    grads = jax.grad(lambda w: reinterpret(tap_loss, identity)({}, w, XS)[0])(W)
+    assert jnp.array_equal(grads, plain)

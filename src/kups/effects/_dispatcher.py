@@ -12,6 +12,8 @@ import jax.extend.core.primitives
 import jax.lax
 from jax.extend.core import JaxprEqn, Primitive
 
+from ._registry import DEFAULT_HANDLERS
+
 if TYPE_CHECKING:
     from ._interpreter import Interpreter
     from ._types import HandlerResult
@@ -69,8 +71,6 @@ def _known_primitive_names() -> set[str]:
     """The names of the default handlers and of the primitives that `jax.lax` and
     `jax.extend.core.primitives` export: the common names, found in a millisecond."""
     if not _PRIMITIVE_NAMES:
-        from ._defaults import DEFAULT_HANDLERS
-
         _PRIMITIVE_NAMES.update(DEFAULT_HANDLERS)
         for module in (jax.extend.core.primitives, jax.lax):
             for value in vars(module).values():
@@ -137,9 +137,35 @@ def _key(prim: Primitive | str) -> str:
     if not isinstance(name, str):
         raise TypeError(
             f"A handler is registered for a primitive or a primitive's name, got "
-            f"{type(prim).__name__}: {prim!r}."
+            f"{type(prim).__name__}: {prim!r}.{_function_hint(prim)}"
         )
     return name
+
+
+def _function_hint(value: Any) -> str:
+    """For a function given where a primitive belongs (`jnp.sin`, or a handler
+    passed first): the primitive names it binds, and the question of a swap."""
+    if not callable(value):
+        return ""
+    function_name = getattr(value, "__name__", None)
+    hint = ""
+    if isinstance(function_name, str):
+        _known_primitive_names()
+        if function_name not in _PRIMITIVE_NAMES:
+            _add_live_primitive_names()
+        exact = function_name in _PRIMITIVE_NAMES
+        names = [function_name] if exact else _suggestions(function_name)
+        if names:
+            shown = " or ".join(repr(n) for n in names[:3])
+            hint += (
+                f" {function_name} is a function, not a primitive: handlers are keyed by "
+                f"the primitive it binds, did you mean {shown} "
+                f"(register_handler({names[0]!r}, handler))?"
+            )
+    return hint + (
+        " Or were the arguments swapped? The primitive comes first: "
+        "register_handler(primitive, handler)."
+    )
 
 
 class Dispatcher:

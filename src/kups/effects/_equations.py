@@ -8,7 +8,7 @@ from typing import Any
 import jax
 from jax.extend.core import JaxprEqn
 
-from . import _compat
+from . import _compat, _source
 
 
 def source_line(eqn: JaxprEqn) -> str:
@@ -22,12 +22,12 @@ def source_line(eqn: JaxprEqn) -> str:
 
     The innermost user frame of the equation's traceback, or `"unknown"`.
     """
-    return _compat.source_line(eqn)
+    return _source.source_line(eqn)
 
 
 def source_location(eqn: JaxprEqn) -> tuple[str, int] | None:
     """`(file, line)` of the user's code that produced `eqn`, or `None`."""
-    return _compat.user_frame(eqn)
+    return _source.user_frame(eqn)
 
 
 def shard_map_axes(eqn: JaxprEqn) -> tuple[Any, tuple[Any, ...]]:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ._interpreter import Interpreter
-from ._traceback import api_boundary
+from ._source import api_boundary, call_site
 
 Ctx = TypeVar("Ctx")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -234,8 +234,9 @@ def reinterpret(fn: Callable[..., Any], interpreter: Interpreter) -> Callable[..
             out_static.append((out_tree, out_static_part))
             return out_leaves
 
-        closed = jax.make_jaxpr(flat_fn)(*dyn_leaves)
-        outs, ctx = interpreter(closed, ctx, *dyn_leaves)
+        with call_site():
+            closed = jax.make_jaxpr(flat_fn)(*dyn_leaves)
+            outs, ctx = interpreter(closed, ctx, *dyn_leaves)
         outs = [_as_array(out) for out in outs]
         out_tree, out_static_part = out_static[0]
         return eqx.combine(jax.tree.unflatten(out_tree, outs), out_static_part), ctx

@@ -31,6 +31,7 @@ from jax.extend.core import Jaxpr
 from . import _compat
 from ._effect import EFFECT_NAMES
 from ._matching import contains_subjaxprs, holds_functions, is_control_flow, subjaxprs
+from ._registry import DEFAULT_HANDLERS
 
 # Options of the default handlers that only matter when a body changes the
 # context: with an untouched body they do nothing. (`updater`, `reduce_ctx` and
@@ -108,8 +109,6 @@ def handled_names(dispatcher: Any) -> Handled | None:
     """Which primitives a dispatcher's handlers take, or `None` when any equation
     might go to one (a fallback handler, or a custom matching rule, which decides
     per equation)."""
-    from ._defaults import DEFAULT_HANDLERS
-
     if dispatcher._fallback is not None or any(
         rule is not contains_subjaxprs for rule in dispatcher._rules
     ):
@@ -272,3 +271,19 @@ def _run(plan: Sequence[tuple[Any, bool, list[Any]]], end: int) -> Run:
         defined.update(eqn.outvars)
         outvars += [v for v in eqn.outvars if v not in last_used_here]
     return Run(end, _compat.new_jaxpr(list(invars), outvars, eqns, RUN_NAME), free)
+
+
+def bind_run(run: Run, env: dict[Any, Any], eqn: Any, name_stack: Any) -> bool:
+    """Binds `run` (whose first equation is `eqn`) as one call on the values of
+    `env`, and puts its outputs there: `False`, binding nothing, when the values
+    are not of the types the run was cut for."""
+    invals = [env[v] for v in run.jaxpr.invars]
+    if not all(_compat.aval_of(x) == v.aval for x, v in zip(invals, run.jaxpr.invars)):
+        return False
+    with _compat.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        outvals = _compat.call_jaxpr(run.jaxpr, invals, RUN_NAME)
+    env.update(zip(run.jaxpr.outvars, outvals, strict=True))
+    del outvals
+    for v in run.free:
+        env.pop(v, None)
+    return True

@@ -9,15 +9,18 @@ from jax.extend.core import JaxprEqn
 from .. import _compat
 from .._body import trace_interpreted
 from .._context import split
+from .._registry import default_handler_for
 from .._types import HandlerResult
+from .._validation import check_params
 
 
+@default_handler_for("remat2", "checkpoint")
 def default_checkpoint_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:
     """Interprets a `jax.checkpoint` body inside a checkpoint with the original
     `policy` and `prevent_cse`, so the rematerialisation boundary stays."""
-    _compat.check_params(eqn)
+    check_params(eqn)
     spec, ctx_values = split(ctx)
     body = trace_interpreted(interpreter, eqn.params["jaxpr"], spec, name="checkpoint")
     new_params = dict(eqn.params, jaxpr=body.jaxpr)

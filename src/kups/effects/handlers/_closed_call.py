@@ -7,10 +7,13 @@ from typing import Any
 
 from jax.extend.core import JaxprEqn
 
-from .. import _compat
+from .._registry import default_handler_for
 from .._types import HandlerResult
+from .._validation import check_params
 
 
+# `eval_jaxpr`: a call of a jaxpr, from JAX 0.11.
+@default_handler_for("closed_call", "eval_jaxpr", "core_call", "call")
 def default_closed_call_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:
@@ -19,6 +22,6 @@ def default_closed_call_handler(
 
     The call boundary is not kept: it has no effect on the compiled program.
     """
-    _compat.check_params(eqn)
+    check_params(eqn)
     outs, ctx = interpreter(eqn.params["call_jaxpr"], ctx, *invals)
     return HandlerResult(ctx, outs)

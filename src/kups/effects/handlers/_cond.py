@@ -11,11 +11,14 @@ from jax.extend.core import JaxprEqn
 from .. import _compat
 from .._body import TracedBody, interpret_fn, trace_body, trace_interpreted
 from .._context import CtxSpec, diff, split
-from .._interpreter import where
+from .._registry import default_handler_for
+from .._source import where
 from .._types import HandlerResult
+from .._validation import check_params
 from ._loop import forwarded_inputs
 
 
+@default_handler_for("cond")
 def default_cond_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:
@@ -25,7 +28,7 @@ def default_cond_handler(
     Every branch must return the same context structure, shapes and dtypes; a
     `ValueError` names the branches and the differing context paths otherwise.
     """
-    _compat.check_params(eqn)
+    check_params(eqn)
     branches = eqn.params["branches"]
     index, operands = invals[0], invals[1:]
     spec, ctx_values = split(ctx)

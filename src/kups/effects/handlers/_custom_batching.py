@@ -19,7 +19,9 @@ from jax.extend.core import JaxprEqn
 from .. import _compat
 from .._body import TracedBody, trace_interpreted
 from .._context import split
+from .._registry import default_handler_for
 from .._types import HandlerResult
+from .._validation import check_params
 from ._custom_derivatives import _named_like
 
 
@@ -34,6 +36,7 @@ def _run(body: TracedBody, consts: Sequence[Any], ctx_values: Sequence[Any], arg
     return out[: body.num_ctx_out], out[body.num_ctx_out :]
 
 
+@default_handler_for("custom_vmap_call")
 def default_custom_vmap_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:
@@ -44,7 +47,7 @@ def default_custom_vmap_handler(
     vmap rule (applied to the original function), and the context from the
     interpreted function run on every batch element (it comes back batched).
     """
-    _compat.check_params(eqn)
+    check_params(eqn)
     spec, ctx_values = split(ctx)
     body = trace_interpreted(interpreter, eqn.params["call"], spec, name="custom_vmap")
 

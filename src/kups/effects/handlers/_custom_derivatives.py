@@ -31,10 +31,14 @@ from jax.extend.core import JaxprEqn
 from .. import _compat
 from .._body import TracedBody, trace_interpreted
 from .._context import split
+from .._defaults import default_dispatcher
 from .._interpreter import Interpreter
 from .._matching import is_control_flow
+from .._policy import BackwardPass
+from .._registry import default_handler_for
 from .._types import HandlerResult, InterpreterPolicy
 from .._untouched import touched_inside
+from .._validation import check_params
 
 _SymbolicZero = _compat.symbolic_zero_type()
 
@@ -81,8 +85,6 @@ def _quiet(body: TracedBody) -> Callable[[list[Any], list[Any]], tuple[list[Any]
     only the rule."""
     if not _has_debug_callback(body.jaxpr):
         return body.call
-    from .._defaults import default_dispatcher  # here: it imports this module
-
     dispatcher = default_dispatcher()
     for name in sorted(_DEBUG_PRIMITIVES):
         dispatcher = dispatcher.register_handler(name, _drop)
@@ -153,6 +155,7 @@ def _split_perturbed(
     return chosen, merge
 
 
+@default_handler_for("custom_jvp_call")
 def default_custom_jvp_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:
@@ -163,7 +166,7 @@ def default_custom_jvp_handler(
     `symbolic_zeros=True` sees the others' tangents as symbolic zeros, as in plain
     JAX); the context carries no tangent (its tangents are zero).
     """
-    _compat.check_params(eqn)
+    check_params(eqn)
     body, ctx_values = _traced(interpreter, ctx, eqn, "custom_jvp")
     original = _original(eqn)
 
@@ -234,6 +237,7 @@ def _as_cotangent(ct: Any, aval: Any) -> Any:
     return ct
 
 
+@default_handler_for("custom_vjp_call", "custom_vjp_call_jaxpr")
 def default_custom_vjp_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:
@@ -244,7 +248,7 @@ def default_custom_vjp_handler(
     inputs only: a rule declared with `symbolic_zeros=True` sees `.perturbed`
     false for constants, as in plain JAX. The context gets zero cotangents.
     """
-    _compat.check_params(eqn)
+    check_params(eqn)
     body, ctx_values = _traced(interpreter, ctx, eqn, "custom_vjp")
     original = _original(eqn)
     out_avals = tuple(v.aval for v in eqn.outvars)
@@ -284,7 +288,10 @@ def default_custom_vjp_handler(
 
     def primal_bwd(residual: Any, cotangents: Any) -> Any:
         _, out_cotangents = cotangents
-        return [None] * num_ctx, residual(list(out_cotangents))
+        # The user's rule runs now, when JAX differentiates: an effect it binds
+        # is one no interpreter sees any more.
+        with BackwardPass(interpreter, eqn).watching():
+            return [None] * num_ctx, residual(list(out_cotangents))
 
     primal = _named_like(primal, _debug_info(eqn, "call_jaxpr"))
     primal_fwd = _named_like(primal_fwd, _debug_info(eqn, "fwd_jaxpr_thunk"))

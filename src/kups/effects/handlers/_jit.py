@@ -9,10 +9,14 @@ from jax.extend.core import JaxprEqn
 from .. import _compat
 from .._body import trace_interpreted
 from .._context import split
+from .._registry import default_handler_for
 from .._types import HandlerResult
+from .._validation import check_params
 from ._loop import trim_call
 
 
+# `pjit`: the name of `jit` before JAX 0.7.
+@default_handler_for("jit", "pjit")
 def default_jit_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:
@@ -22,7 +26,7 @@ def default_jit_handler(
     never of the context), `keep_unused`, `inline`, compiler options and name are
     kept; the context enters and leaves unsharded and undonated.
     """
-    _compat.check_params(eqn)
+    check_params(eqn)
     params = eqn.params
     spec, ctx_values = split(ctx)
     body = trace_interpreted(interpreter, params["jaxpr"], spec, name=f"jit {params['name']}")

@@ -11,9 +11,12 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn
 from .. import _compat
 from .._body import trace_interpreted
 from .._context import split
+from .._registry import default_handler_for
 from .._types import HandlerResult
+from .._validation import check_params
 
 
+@default_handler_for("custom_linear_solve")
 def default_custom_linear_solve_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:
@@ -32,7 +35,7 @@ def default_custom_linear_solve_handler(
     output of a solve does; the context the transposed solve makes is dropped, as
     JAX drops its auxiliary outputs.
     """
-    _compat.check_params(eqn)
+    check_params(eqn)
     params = eqn.params
     lengths = params["const_lengths"]
     jaxprs = params["jaxprs"]

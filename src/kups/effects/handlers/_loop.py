@@ -14,7 +14,7 @@ from jax.extend.core import JaxprEqn
 from .. import _compat
 from .._body import TracedBody, trace_body
 from .._context import CtxSpec, diff, spec_from_avals, split, uninitialized_paths
-from .._interpreter import where
+from .._source import where
 from .._types import Uninitialized
 
 Initializer = Callable[[Any, Any], Any]

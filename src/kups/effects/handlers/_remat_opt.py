@@ -20,7 +20,9 @@ from jax.extend.core import Jaxpr, JaxprEqn
 from .. import _compat
 from .._body import trace_interpreted
 from .._context import split
+from .._registry import default_handler_for
 from .._types import HandlerResult
+from .._validation import check_params
 
 
 def _primal_thunk(jaxpr: Jaxpr, leading: list[Any]) -> Callable[[], tuple[Jaxpr, list[Any]]]:
@@ -31,6 +33,7 @@ def _primal_thunk(jaxpr: Jaxpr, leading: list[Any]) -> Callable[[], tuple[Jaxpr,
     return lambda: (closed, consts)
 
 
+@default_handler_for("remat_opt")
 def default_remat_opt_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:
@@ -43,7 +46,7 @@ def default_remat_opt_handler(
     the residuals dropped stands in for it, so the context is the same whichever
     runs (only the rematerialisation saving is lost).
     """
-    _compat.check_params(eqn)
+    check_params(eqn)
     params = eqn.params
     num_consts, num_res = params["num_consts"], params["num_res"]
     consts, args = invals[:num_consts], invals[num_consts:]

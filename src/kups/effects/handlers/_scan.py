@@ -10,8 +10,10 @@ from jax.tree_util import keystr
 from .. import _compat
 from .._body import TracedBody, trace_interpreted
 from .._context import CtxSpec, same_type, split
-from .._interpreter import where
+from .._registry import default_handler_for
+from .._source import where
 from .._types import HandlerResult, ScanSemantics
+from .._validation import check_params
 from ._loop import (
     Initializer,
     Updater,
@@ -25,6 +27,7 @@ from ._loop import (
 )
 
 
+@default_handler_for("scan")
 def default_scan_handler(
     interpreter: Any,
     ctx: Any,
@@ -62,7 +65,7 @@ def default_scan_handler(
     )
     ```
     """
-    _compat.check_params(eqn)
+    check_params(eqn)
     if not isinstance(threading, ScanSemantics):
         raise TypeError(f"threading must be a ScanSemantics, got {threading!r}.")
     params = eqn.params

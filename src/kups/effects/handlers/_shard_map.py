@@ -15,8 +15,10 @@ from jax.tree_util import keystr
 from .. import _compat
 from .._body import interpret_fn, trace_body
 from .._context import CtxSpec, split
-from .._interpreter import where
+from .._registry import default_handler_for
+from .._source import where
 from .._types import HandlerResult
+from .._validation import check_params
 from ._loop import trim_call
 
 SpecFn = Callable[[Any], Any]
@@ -216,6 +218,7 @@ def _divisibility_problem(pspec: PartitionSpec, shape: tuple[int, ...], mesh: An
     return None
 
 
+@default_handler_for("shard_map")
 def default_shard_map_handler(
     interpreter: Any,
     ctx: Any,
@@ -247,7 +250,7 @@ def default_shard_map_handler(
     replicated is a `ValueError` that points at `reduce_ctx` and
     `declare_ctx_out_specs`.
     """
-    _compat.check_params(eqn)
+    check_params(eqn)
     params = eqn.params
     mesh, check_vma = params["mesh"], params["check_vma"]
     manual_axes = _compat.shard_map_manual_axes(params)

@@ -12,8 +12,10 @@ from jax.tree_util import keystr
 from .. import _compat
 from .._body import TracedBody, trace_body, trace_interpreted
 from .._context import CtxSpec, diff
-from .._interpreter import where
+from .._registry import default_handler_for
+from .._source import where
 from .._types import HandlerResult
+from .._validation import check_params
 from ._loop import (
     Initializer,
     Updater,
@@ -26,6 +28,7 @@ from ._loop import (
 )
 
 
+@default_handler_for("while")
 def default_while_handler(
     interpreter: Any,
     ctx: Any,
@@ -49,7 +52,7 @@ def default_while_handler(
       iteration, threading the context, so effects in the condition count
       `trips + 1` times.
     """
-    _compat.check_params(eqn)
+    check_params(eqn)
     if thread_condition:
         return _while_threading_condition(interpreter, ctx, eqn, invals, initializer, updater)
     params = eqn.params
