@@ -1,0 +1,64 @@
+"""The distribution's metadata agrees with itself, the README and CI's scripts.
+
+The built wheel itself is installed and run by `.ci/wheel`, outside the source tree.
+"""
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import kups
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+
+
+def test_the_distribution_name_is_not_the_kups_simulation_librarys():
+    # `kups` on PyPI is kUPS, a molecular simulation library that also installs
+    # the import package `kups`.
+    assert PROJECT["name"] != "kups"
+    assert PROJECT["name"] == kups._DISTRIBUTION
+
+
+def test_the_dev_extra_names_this_distribution():
+    dev = PROJECT["optional-dependencies"]["dev"]
+    assert f"{PROJECT['name']}[test,docs]" in dev
+    assert any(re.match(r"build\b", requirement) for requirement in dev)
+
+
+def test_the_readme_says_the_name_and_the_clash():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    intro = readme[: readme.index("## Quick start")]
+    assert f"distributed as `{PROJECT['name']}` and imported as `kups`" in intro
+    assert "kUPS" in intro and "molecular simulations" in intro
+    assert "overwrites" in intro
+
+
+def test_ci_suite_reads_the_jax_floor_from_pyproject():
+    suite = (ROOT / ".ci" / "suite").read_text(encoding="utf-8")
+    program = re.search(r"<<'PY'\n(.*?)\nPY\n", suite, re.S)
+    assert program is not None
+    floor = subprocess.run(
+        [sys.executable, "-c", program[1]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    jax = next(d for d in PROJECT["dependencies"] if re.match(r"jax\b(?!lib)", d))
+    assert floor == "0.10.0"
+    assert f">={floor}" in jax
+
+
+def test_version_comes_from_this_distribution():
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version(PROJECT["name"])
+    except PackageNotFoundError:
+        installed = "0+unknown"  # a source tree on PYTHONPATH, not installed
+    assert kups.__version__ == installed
+    if installed != "0+unknown":
+        assert installed == PROJECT["version"]
