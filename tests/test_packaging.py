@@ -62,3 +62,18 @@ def test_version_comes_from_this_distribution():
     assert kups.__version__ == installed
     if installed != "0+unknown":
         assert installed == PROJECT["version"]
+
+
+def test_the_wheel_smoke_test_passes_on_the_source_tree(tmp_path):
+    # `.ci/wheel` runs it against the installed wheel; here it runs against this
+    # tree, so a change of the public API that breaks it fails the test suite too.
+    result = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "wheel_smoke.py")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "smoke test passed" in result.stdout
