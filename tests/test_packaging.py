@@ -77,3 +77,15 @@ def test_the_wheel_smoke_test_passes_on_the_source_tree(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "smoke test passed" in result.stdout
+
+
+def test_the_hosted_workflow_runs_every_script_of_ci_run():
+    workflow = (ROOT / ".github" / "workflows" / "ci.yml").read_text(encoding="utf-8")
+    run = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    in_run = re.findall(r"^bash \.ci/(\w+)$", run, re.M)
+    in_workflow = re.findall(r"^\s+- run: bash \.ci/(\w+)$", workflow, re.M)
+    assert sorted(in_run) == sorted(in_workflow) == ["floor", "newest", "test", "wheel"]
+    assert all((ROOT / ".ci" / script).is_file() for script in in_workflow)
+    # `.ci/newest` needs a Python 3.13 on PATH (`.ci/python313`).
+    newest = workflow[workflow.index("  newest:") : workflow.index("  wheel:")]
+    assert 'python-version: "3.13"' in newest
