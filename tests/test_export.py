@@ -169,3 +169,20 @@ def test_sow_modes_export(mode):
         return lax.fori_loop(0, 3, lambda i, c: sow(c * 1.5, tag="t", name="c", mode=mode), xs)
 
     assert_runs_like(fn, jnp.arange(3.0))
+
+
+def test_jitted_reap_and_plant_export():
+    from kups.harvest import plant, reap
+
+    def fn(xs):
+        def step(carry, x):
+            y = sow(jnp.sin(x) * carry, tag="reaped", name="y", mode="append")
+            # Another tag's sow stays in the exported program as an effect.
+            return carry + sow(y, tag="other", name="z", mode="clobber"), y
+
+        return lax.scan(step, 1.0, xs)
+
+    xs = jnp.arange(4.0)
+    reaped = assert_runs_like(jax.jit(reap(fn, tag="reaped")), xs)
+    assert {effect.name for effect in reaped.unordered_effects} == {"kups_sow"}  # pyright: ignore[reportAttributeAccessIssue]
+    assert_runs_like(jax.jit(plant(fn, tag="reaped")), {"y": jnp.ones(4)}, xs)
