@@ -186,3 +186,38 @@ def test_jitted_reap_and_plant_export():
     reaped = assert_runs_like(jax.jit(reap(fn, tag="reaped")), xs)
     assert {effect.name for effect in reaped.unordered_effects} == {"kups_sow"}  # pyright: ignore[reportAttributeAccessIssue]
     assert_runs_like(jax.jit(plant(fn, tag="reaped")), {"y": jnp.ones(4)}, xs)
+
+
+def test_effects_pickle_and_compiled_programs_serialize():
+    import pickle
+
+    from jax.experimental import serialize_executable
+
+    assert pickle.loads(pickle.dumps(log_p.effect)) == log_p.effect  # pyright: ignore[reportAttributeAccessIssue]
+    x = jnp.linspace(-1.0, 1.0, 5)
+    compiled = jax.jit(with_sow_and_check).lower(x).compile()
+    payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+    # On a single device, as compiled (the default is every local device).
+    loaded = serialize_executable.deserialize_and_load(
+        payload, in_tree, out_tree, execution_devices=jax.devices()[:1]
+    )
+    np.testing.assert_array_equal(loaded(x), compiled(x))
+
+
+def test_unpickling_an_effect_not_defined_here_says_so(tmp_path):
+    import pickle
+
+    custom_p = define_effect("export_pickled_only_here")
+    (tmp_path / "effect.pkl").write_bytes(pickle.dumps(custom_p.effect))  # pyright: ignore[reportAttributeAccessIssue]
+    script = "import pickle, kups.effects\npickle.loads(open('effect.pkl', 'rb').read())\n"
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "KupsEffect[export_pickled_only_here] is not defined in this process" in result.stderr
+    assert "define_effect" in result.stderr

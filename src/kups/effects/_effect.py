@@ -37,11 +37,30 @@ class KupsEffect(Effect):
     def __repr__(self) -> str:
         return f"KupsEffect({self.name!r})"
 
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # Pickled by class name (`jax.experimental.serialize_executable` pickles
+        # a compiled program's effects): the class is made at run time, so
+        # pickle cannot find it as a module attribute.
+        return (_effect_named, (type(self).__name__,))
+
 
 _compat.register_effect_type(KupsEffect)
 
 # How many effect types each name has (two primitives may share a name).
 _TYPES_PER_NAME: dict[str, int] = {}
+# Every effect type made so far, by class name.
+_EFFECT_TYPES: dict[str, type[KupsEffect]] = {}
+
+
+def _effect_named(class_name: str) -> KupsEffect:
+    """The effect of the type called `class_name`, for unpickling."""
+    try:
+        return _EFFECT_TYPES[class_name]()
+    except KeyError:
+        raise ValueError(
+            f"The effect {class_name} is not defined in this process. Define it first "
+            "(import the module that calls define_effect), then load the program."
+        ) from None
 
 
 def effect_type(name: str) -> type[KupsEffect]:
@@ -54,6 +73,7 @@ def effect_type(name: str) -> type[KupsEffect]:
     count = _TYPES_PER_NAME[name] = _TYPES_PER_NAME.get(name, 0) + 1
     class_name = f"KupsEffect[{name}]" if count == 1 else f"KupsEffect[{name}]#{count}"
     cls = type(class_name, (KupsEffect,), {"name": name, "__qualname__": class_name})
+    _EFFECT_TYPES[class_name] = cls
     # The base class in JAX's tables already admits it; `jax.export` looks a
     # deserialized effect up by its exact type among the lowerable ones.
     _compat.register_effect_type(cls)
