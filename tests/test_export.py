@@ -160,7 +160,7 @@ def test_a_process_without_the_effect_says_which_is_missing(tmp_path):
         check=False,
     )
     assert result.returncode != 0
-    assert "KupsEffect[export_only_here]" in result.stderr
+    assert "kups.effects.KupsEffect[export_only_here]" in result.stderr
 
 
 @pytest.mark.parametrize("mode", ["strict", "append", "clobber"])

@@ -72,7 +72,10 @@ def effect_type(name: str) -> type[KupsEffect]:
     """
     count = _TYPES_PER_NAME[name] = _TYPES_PER_NAME.get(name, 0) + 1
     class_name = f"KupsEffect[{name}]" if count == 1 else f"KupsEffect[{name}]#{count}"
-    cls = type(class_name, (KupsEffect,), {"name": name, "__qualname__": class_name})
+    # `jax.export` writes `str(cls)`, which names the module: the public one, so
+    # serialized programs do not depend on where in kups the class is made.
+    namespace = {"name": name, "__qualname__": class_name, "__module__": "kups.effects"}
+    cls = type(class_name, (KupsEffect,), namespace)
     _EFFECT_TYPES[class_name] = cls
     # The base class in JAX's tables already admits it; `jax.export` looks a
     # deserialized effect up by its exact type among the lowerable ones.
