@@ -282,3 +282,28 @@ def test_multiprocess_scripts_run(path, block, tmp_path):
     lines = [out.strip().splitlines()[-1].split(maxsplit=1) for out in outputs]
     assert [line[0] for line in lines] == ["0", "1"], report
     assert lines[0][1] == lines[1][1], report
+
+
+def _heading_anchors(path: Path) -> set[str]:
+    """The ids mkdocs' toc gives the headings of a page (Python-Markdown's slugify)."""
+    anchors = set()
+    for block in re.split(r"^```.*?^```", path.read_text(encoding="utf-8"), flags=re.S | re.M):
+        for heading in re.findall(r"^#{1,6} (.+)$", block, re.M):
+            text = re.sub(r"[^\w\s-]", "", heading.replace("`", "")).strip().lower()
+            anchors.add(re.sub(r"[-\s]+", "-", text))
+    return anchors
+
+
+def test_links_to_a_section_find_its_heading():
+    links = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        links += [
+            (page, target, anchor)
+            for target, anchor in re.findall(r"\]\(([\w/.-]+\.md)#([\w-]+)\)", text)
+        ]
+    assert any(anchor == "jax-releases" for _, _, anchor in links)
+    for page, target, anchor in links:
+        assert anchor in _heading_anchors(page.parent / target), (
+            f"{page_id(page)} links {target}#{anchor}"
+        )

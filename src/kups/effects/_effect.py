@@ -4,7 +4,7 @@ import contextlib
 import threading
 from collections.abc import Hashable, Iterator, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 from jax.extend.core import Effect, Primitive
 from jax.interpreters import ad, batching, mlir
@@ -18,18 +18,69 @@ class KupsEffect(Effect):
     It is unordered (no runtime tokens are threaded through the compiled
     program) and registered in JAX's effect tables so that `jit`, control flow,
     `jax.checkpoint`, custom derivatives and partial evaluation keep the
-    primitive even when its outputs are unused. Each primitive has its own
-    instance; instances compare by identity.
+    primitive even when its outputs are unused.
+
+    Each primitive has its own subclass (`effect_type`), whose instances are
+    all equal: `jax.export` serializes an effect as its class's name and
+    deserializes it by calling that class with no arguments, among the
+    lowerable effect types registered in the process that deserializes.
     """
 
-    def __init__(self, name: str):
-        self.name = name
+    name: ClassVar[str] = ""
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
 
     def __repr__(self) -> str:
         return f"KupsEffect({self.name!r})"
 
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # Pickled by class name (`jax.experimental.serialize_executable` pickles
+        # a compiled program's effects): the class is made at run time, so
+        # pickle cannot find it as a module attribute.
+        return (_effect_named, (type(self).__name__,))
+
 
 _compat.register_effect_type(KupsEffect)
+
+# How many effect types each name has (two primitives may share a name).
+_TYPES_PER_NAME: dict[str, int] = {}
+# Every effect type made so far, by class name.
+_EFFECT_TYPES: dict[str, type[KupsEffect]] = {}
+
+
+def _effect_named(class_name: str) -> KupsEffect:
+    """The effect of the type called `class_name`, for unpickling."""
+    try:
+        return _EFFECT_TYPES[class_name]()
+    except KeyError:
+        raise ValueError(
+            f"The effect {class_name} is not defined in this process. Define it first "
+            "(import the module that calls define_effect), then load the program."
+        ) from None
+
+
+def effect_type(name: str) -> type[KupsEffect]:
+    """A new subclass of `KupsEffect` for a primitive called `name`.
+
+    Its class name, which `jax.export` serializes, is `KupsEffect[name]`, with
+    `#2`, `#3`... for later primitives of the same name, so a process that
+    defines its effects in the same order deserializes each to its own type.
+    """
+    count = _TYPES_PER_NAME[name] = _TYPES_PER_NAME.get(name, 0) + 1
+    class_name = f"KupsEffect[{name}]" if count == 1 else f"KupsEffect[{name}]#{count}"
+    # `jax.export` writes `str(cls)`, which names the module: the public one, so
+    # serialized programs do not depend on where in kups the class is made.
+    namespace = {"name": name, "__qualname__": class_name, "__module__": "kups.effects"}
+    cls = type(class_name, (KupsEffect,), namespace)
+    _EFFECT_TYPES[class_name] = cls
+    # The base class in JAX's tables already admits it; `jax.export` looks a
+    # deserialized effect up by its exact type among the lowerable ones.
+    _compat.register_effect_type(cls)
+    return cls
 
 
 # The names of every effect primitive made so far (see `UNSEEN`).
@@ -72,7 +123,7 @@ class EffectPrimitive(Primitive):
 
     def __init__(self, name: str):
         super().__init__(name)
-        self.effect = KupsEffect(name)
+        self.effect = effect_type(name)()
         EFFECT_NAMES.add(name)
 
     def __repr__(self) -> str:
@@ -123,6 +174,11 @@ def define_effect(name: str) -> Primitive:
     Every call returns a distinct primitive, even for a name used before. A
     dispatcher keyed by name treats such primitives as one; key it by the
     primitive object to tell them apart.
+
+    A jitted program that binds the primitive exports with `jax.export` and
+    serializes; the process that deserializes it must have defined the same
+    effects first (in the same order, for a name used twice), as importing the
+    module that defines them does.
 
     **Arguments:**
 
