@@ -3,6 +3,7 @@
 The built wheel itself is installed and run by `.ci/wheel`, outside the source tree.
 """
 
+import importlib.metadata
 import re
 import subprocess
 import sys
@@ -19,7 +20,8 @@ def test_the_distribution_name_is_not_the_kups_simulation_librarys():
     # `kups` on PyPI is kUPS, a molecular simulation library that also installs
     # the import package `kups`.
     assert PROJECT["name"] != "kups"
-    assert PROJECT["name"] == kups._DISTRIBUTION
+    # kups.__version__ comes from this distribution's metadata.
+    assert importlib.metadata.version(PROJECT["name"]) == kups.__version__
 
 
 def test_the_dev_extra_names_this_distribution():
