@@ -1879,12 +1879,13 @@ def test_wrappers_show_the_users_signature_with_their_leading_argument():
 
 
 def test_loops_without_a_sow_are_not_walked(monkeypatch):
-    import kups.harvest as harvest_module
+    from kups.harvest._plant import Planter
+    from kups.harvest._reap import Reaper
 
     calls = []
     for cls, names in [
-        (harvest_module._Reaper, ("scan", "while_loop", "cond")),
-        (harvest_module._Planter, ("scan", "while_loop")),
+        (Reaper, ("scan", "while_loop", "cond")),
+        (Planter, ("scan", "while_loop")),
     ]:
         for name in names:
             original = getattr(cls, name)
