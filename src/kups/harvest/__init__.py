@@ -5,8 +5,11 @@
 value unchanged and costs nothing when no interpreter looks at it. `reap(fn,
 tag=...)` runs `fn` and also returns every value sown under `tag`, by name;
 `plant(fn, tag=...)` runs `fn` with sown values replaced by given ones, and
-`harvest(fn, tag=...)` does both in one call. `nest(fn, scope=...)` puts the
-names `fn` sows under a scope: they come out as `reaped[scope][name]`. All are
+`harvest(fn, tag=...)` does both in one call; `sow_cond(value, pred, ...)` sows
+only where a predicate holds (in a loop: the last value where it held). A tag
+is any hashable value (a string, a number, a tuple, an `Enum` member).
+`nest(fn, scope=...)` puts the names `fn` sows under a scope: they come out as
+`reaped[scope][name]`. All are
 interpreters built on the public surface of `kups.effects`, so they see through
 `jit`, `scan`, `fori_loop`, `while_loop`, `cond`/`switch`, `jax.checkpoint`,
 `custom_jvp`/`custom_vjp` and `shard_map`.
@@ -50,5 +53,6 @@ from ._plant import plant as plant
 from ._reap import reap as reap
 from ._sow import MODES as MODES
 from ._sow import sow as sow
+from ._sow import sow_cond as sow_cond
 
-__all__ = ["MODES", "harvest", "nest", "plant", "reap", "sow"]
+__all__ = ["MODES", "harvest", "nest", "plant", "reap", "sow", "sow_cond"]

@@ -8,6 +8,7 @@ from typing import Any
 
 from kups.effects import InterpreterPolicy, check_policy, reinterpret, wraps_with_leading
 
+from ._names import Tag
 from ._plant import check_values, planted_call
 from ._reap import Reaper
 from ._reaped import Reaped
@@ -17,7 +18,7 @@ from ._selection import Selection
 def harvest(
     fn: Callable[..., Any],
     *,
-    tag: str,
+    tag: Tag,
     allowlist: Iterable[str | tuple[str, ...]] | None = None,
     blocklist: Iterable[str | tuple[str, ...]] | None = None,
     exclusive: bool = False,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,10 +11,31 @@ from jax.extend.core import JaxprEqn
 # Where a sown value goes in the result: its scopes, then its name.
 SowPath = tuple[str, ...]
 
+# A tag is any hashable value, as in Oryx: a string, a number, a tuple, an Enum.
+Tag = Hashable
+
 
 def check_name(what: str, value: Any) -> None:
     if not isinstance(value, str) or not value:
         raise TypeError(f"The {what} of a sown value must be a non-empty string, got {value!r}.")
+
+
+def check_tag(caller: str, tag: Any) -> None:
+    """A tag is hashable (it is a static parameter of the sow primitive), and
+    neither `None` nor `""`, which are most likely a tag left out."""
+    try:
+        hash(tag)
+    except TypeError:
+        raise TypeError(
+            f"{caller} got tag={tag!r}, which is not hashable. A tag is any hashable value "
+            f"(a string, a number, a tuple, an Enum member): it is a static parameter of the "
+            f"program, compared with ==."
+        ) from None
+    if tag is None or tag == "":
+        raise TypeError(
+            f"{caller} got tag={tag!r}; a tag is a non-empty string or another hashable value "
+            f"(a number, a tuple, an Enum member) that names a group of sows."
+        )
 
 
 def path_of(eqn: JaxprEqn) -> SowPath:
@@ -31,7 +53,7 @@ def named(path: SowPath) -> str:
     return f"name {name!r} in scope {show_path(scope)!r}" if scope else f"name {name!r}"
 
 
-def describe(tag: str, path: SowPath) -> str:
+def describe(tag: Tag, path: SowPath) -> str:
     return f"kups.harvest: {named(path)} of tag {tag!r}"
 
 
@@ -40,7 +62,7 @@ class NameKey:
     """The key of a sown name in a context's key paths; framework error messages
     print it as `ctx['name' (tag 'tag')]` (`'scope/name'` inside `nest`)."""
 
-    tag: str
+    tag: Tag
     path: SowPath
 
     def __str__(self) -> str:

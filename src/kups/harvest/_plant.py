@@ -17,6 +17,7 @@ from kups.effects import (
     Interpreter,
     InterpreterPolicy,
     check_policy,
+    default_cond_handler,
     default_primitive_handler,
     default_scan_handler,
     default_shard_map_handler,
@@ -27,7 +28,7 @@ from kups.effects import (
     wraps_with_leading,
 )
 
-from ._names import SowPath, describe, path_of, show_path
+from ._names import SowPath, Tag, path_of, show_path
 from ._planted import (
     MISSING,
     SHARD,
@@ -43,8 +44,9 @@ from ._planted import (
     unused_paths,
     varying_axes_of,
 )
+from ._rules import check_cond, check_scan, check_while
 from ._selection import Selection, pass_through, selective_interpreter, sows_in
-from ._sow import sow_p
+from ._sow import sow_p, split_operands
 
 
 class Planter:
@@ -69,27 +71,37 @@ class Planter:
         ]
 
     def interpreter(self, caller: str, policy: InterpreterPolicy) -> Interpreter:
-        loops = {"scan": self.scan, "while": self.while_loop, "shard_map": self.shard_map}
+        loops = {
+            "scan": self.scan,
+            "while": self.while_loop,
+            "cond": self.cond,
+            "shard_map": self.shard_map,
+        }
         return selective_interpreter(self.selection, caller, policy, self.sow, loops)
 
     def check_all_used(self, caller: str, values: Mapping[str, Any]) -> None:
         unused = sorted(unused_paths(values, self.seen))
         if not unused:
             return
-        left_out = [
-            show_path(path)
-            for path in unused
-            if any(sown[: len(path)] == path for sown in self.left_out)
-        ]
-        note = (
-            f" The function sows {left_out}, but allowlist/blocklist leave them out."
-            if left_out
-            else ""
-        )
+
+        def left_out(path: SowPath) -> bool:
+            return any(sown[: len(path)] == path for sown in self.left_out)
+
+        never = [show_path(path) for path in unused if not left_out(path)]
+        filtered = [show_path(path) for path in unused if left_out(path)]
+        given = []
+        if never:
+            given.append(f"{never}, which the function never sows under tag {self.tag!r}")
+        if filtered:
+            given.append(
+                f"{filtered}, which the function sows under tag {self.tag!r} but "
+                f"allowlist/blocklist leave out"
+            )
         raise ValueError(
-            f"kups.harvest: {caller}(tag={self.tag!r}) was given {[show_path(p) for p in unused]}, "
-            f"which the function never sows under tag {self.tag!r}.{note} The names it sows "
-            f"under that tag are: {sorted(map(show_path, self.seen)) or 'none'}."
+            f"kups.harvest: {caller}({self.selection}) was given {'; and '.join(given)}. The "
+            f"names it sows under tag {self.tag!r} that this call acts on are: "
+            f"{sorted(map(show_path, self.seen)) or 'none'}. Plant only those, or change "
+            f"allowlist/blocklist."
         )
 
     def sow(
@@ -107,20 +119,22 @@ class Planter:
             return default_primitive_handler(interpreter, ctx, eqn, invals)
         for op in ctx.ops(path):
             value = jax.tree.map(functools.partial(entry_for, ctx, op), value)
-        leaves = planted_leaves(self.tag, eqn, value, invals)
+        pred, own = split_operands(eqn.params, invals)
+        leaves = planted_leaves(self.tag, eqn, value, own)
+        if pred is not None:  # a sow_cond: planted where pred holds
+            leaves = [jnp.where(pred, new, old) for new, old in zip(leaves, own, strict=True)]
+        operands = leaves if pred is None else [pred, *leaves]
         if self.consume:
-            return HandlerResult(ctx, leaves)
+            return HandlerResult(ctx, operands)
         # Bound again on the planted value: an enclosing reap of this tag sees it.
-        return HandlerResult(ctx, list(sow_p.bind(*leaves, **eqn.params)))
+        return HandlerResult(ctx, list(sow_p.bind(*operands, **eqn.params)))
 
     def scan(
         self, interpreter: Interpreter, ctx: Planted, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
-        appended = {
-            path_of(e)
-            for e in self.planted_sows(ctx, eqn.params["jaxpr"])
-            if e.params["mode"] == "append"
-        }
+        planted = self.planted_sows(ctx, eqn.params["jaxpr"])
+        check_scan(self.tag, planted, eqn)
+        appended = {path_of(e) for e in planted if e.params["mode"] == "append"}
         if not appended:
             return default_scan_handler(interpreter, ctx, eqn, invals)
         length, reverse = eqn.params["length"], eqn.params["reverse"]
@@ -150,16 +164,21 @@ class Planter:
         self, interpreter: Interpreter, ctx: Planted, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
         params = eqn.params
-        for sow_eqn in self.planted_sows(ctx, params["body_jaxpr"]):
-            if sow_eqn.params["mode"] == "append":
-                raise ValueError(
-                    f"{describe(self.tag, path_of(sow_eqn))} is planted and sown with "
-                    f"mode='append' at {source_line(sow_eqn)}, inside the while_loop at "
-                    f"{source_line(eqn)}: a while loop has no iterations to align a planted "
-                    f"stack with. Use a scan, or mode='clobber'."
-                )
-        in_condition = bool(self.planted_sows(ctx, params["cond_jaxpr"]))
-        return default_while_handler(interpreter, ctx, eqn, invals, thread_condition=in_condition)
+        in_condition = self.planted_sows(ctx, params["cond_jaxpr"])
+        check_while(self.tag, [*in_condition, *self.planted_sows(ctx, params["body_jaxpr"])], eqn)
+        return default_while_handler(
+            interpreter, ctx, eqn, invals, thread_condition=bool(in_condition)
+        )
+
+    def cond(
+        self, interpreter: Interpreter, ctx: Planted, eqn: JaxprEqn, invals: list[Any]
+    ) -> HandlerResult:
+        sown = [
+            {path_of(e): e for e in self.planted_sows(ctx, branch)}
+            for branch in eqn.params["branches"]
+        ]
+        check_cond(self.tag, sown, eqn, self.seen)
+        return default_cond_handler(interpreter, ctx, eqn, invals)
 
     def shard_map(
         self, interpreter: Interpreter, ctx: Planted, eqn: JaxprEqn, invals: list[Any]
@@ -211,7 +230,7 @@ class Planter:
         return HandlerResult(ctx, result.outvals)
 
 
-def check_values(caller: str, tag: str, values: Any) -> None:
+def check_values(caller: str, tag: Tag, values: Any) -> None:
     if not isinstance(values, Mapping) or not all(isinstance(k, str) for k in values):
         raise TypeError(
             f"{caller}(fn, tag={tag!r}) is called as wrapped(values, *args), with values a "
@@ -239,7 +258,7 @@ def planted_call(
 def plant(
     fn: Callable[..., Any],
     *,
-    tag: str,
+    tag: Tag,
     allowlist: Iterable[str | tuple[str, ...]] | None = None,
     blocklist: Iterable[str | tuple[str, ...]] | None = None,
     exclusive: bool = False,

@@ -14,7 +14,7 @@ from jax.tree_util import GetAttrKey
 
 from kups.effects import source_line, varying_axes
 
-from ._names import NameKey, SowPath, describe, named, path_of, show_path
+from ._names import NameKey, SowPath, Tag, describe, named, path_of, show_path
 
 # How `plant` gets from a planted value to the value one sow receives: the
 # planted value's leading axes, outermost first, each either a shard_map's shard
@@ -31,7 +31,7 @@ class Planted:
 
     def __init__(
         self,
-        tag: str,
+        tag: Tag,
         values: Mapping[str, Any],
         pending: Mapping[SowPath, tuple[Any, ...]],
         loops: tuple[tuple[int, bool], ...],
@@ -81,7 +81,7 @@ jax.tree_util.register_pytree_with_keys(Planted, _flatten_planted, _unflatten_pl
 MISSING = object()
 
 
-def lookup(tag: str, values: Mapping[str, Any], path: SowPath, eqn: JaxprEqn) -> Any:
+def lookup(tag: Tag, values: Mapping[str, Any], path: SowPath, eqn: JaxprEqn) -> Any:
     """The planted value at `path` (scopes are nested dicts), or `MISSING`."""
     node: Any = values
     for depth, key in enumerate(path):
@@ -149,13 +149,13 @@ def varying_axes_of(
     if not check_vma or any(e.params["tree"] != treedef for e in sows):
         return everywhere
     per_leaf = [
-        frozenset().union(*(varying_axes(e.invars[i].aval) for e in sows))
+        frozenset().union(*(varying_axes(e.invars[i + e.params["conditional"]].aval) for e in sows))
         for i in range(treedef.num_leaves)
     ]
     return jax.tree.unflatten(treedef, per_leaf)
 
 
-def check_axis(tag: str, path: SowPath, ctx: Planted, size: int, where: str, eqn: JaxprEqn) -> None:
+def check_axis(tag: Tag, path: SowPath, ctx: Planted, size: int, where: str, eqn: JaxprEqn) -> None:
     """The planted value at `path` has `size` entries along its next pending axis."""
     axis = pending_axes(ctx.ops(path))
     for leaf in jax.tree.leaves(lookup(tag, ctx.values, path, eqn)):
@@ -188,7 +188,7 @@ def entry_for(ctx: Planted, op: Any, leaf: Any) -> Any:
     return jax.lax.dynamic_index_in_dim(leaf, index, axis=0, keepdims=False)
 
 
-def planted_leaves(tag: str, eqn: JaxprEqn, value: Any, invals: list[Any]) -> list[Any]:
+def planted_leaves(tag: Tag, eqn: JaxprEqn, value: Any, invals: list[Any]) -> list[Any]:
     """The planted value's leaves, checked against what the sow at `eqn` sows."""
     params = eqn.params
     leaves, treedef = jax.tree.flatten(value)

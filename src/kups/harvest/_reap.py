@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from kups.effects import (
@@ -17,6 +18,7 @@ from kups.effects import (
     ScanSemantics,
     check_policy,
     default_cond_handler,
+    default_custom_jvp_handler,
     default_scan_handler,
     default_shard_map_handler,
     default_while_handler,
@@ -26,9 +28,11 @@ from kups.effects import (
     wraps_with_leading,
 )
 
-from ._names import SowPath, describe, path_of, show_path
+from ._names import SowPath, Tag, describe, path_of, show_path
 from ._reaped import Reaped, filled_with_init, init_of, nested
+from ._rules import check_cond, check_scan, check_while
 from ._selection import Selection, pass_through, selective_interpreter, sows_in, specs_like
+from ._sow import split_operands, watching
 
 
 class Reaper:
@@ -53,7 +57,8 @@ class Reaper:
             "cond": self.cond,
             "shard_map": self.shard_map,
         }
-        return selective_interpreter(self.selection, caller, policy, self.sow, loops)
+        always = {"custom_jvp_call": self.custom_jvp}
+        return selective_interpreter(self.selection, caller, policy, self.sow, loops, always)
 
     def result(self, ctx: Reaped) -> dict[str, Any]:
         """The reaped values as nested dicts (a scope is a dict of its names)."""
@@ -75,48 +80,110 @@ class Reaper:
         untaken = pass_through(self.selection, interpreter, ctx, eqn, invals)
         if untaken is not None:
             return untaken
-        params = eqn.params
-        path, mode = path_of(eqn), params["mode"]
+        return HandlerResult(self.add(ctx, eqn.params, invals, source_line(eqn)), list(invals))
+
+    def add(self, ctx: Reaped, params: dict[str, Any], operands: list[Any], where: str) -> Reaped:
+        """`ctx` with the sow of `params` on `operands` (bound at `where`) added."""
+        path, mode = (*params["scope"], params["name"]), params["mode"]
+        pred, leaves = split_operands(params, operands)
+        value = jax.tree.unflatten(params["tree"], leaves)
         if path in ctx.modes:
-            before = ctx.modes[path]
-            first = self.first_sown.get(path, "unknown")
-            if before != mode:
-                raise ValueError(
-                    f"{self.label(path)} is sown with mode={before!r} at {first} and with "
-                    f"mode={mode!r} at {source_line(eqn)}; a name has one mode. Use the same "
-                    f"mode for every sow of a name."
-                )
-            if mode == "strict":
-                raise ValueError(
-                    f"{self.label(path)} is sown twice with mode='strict': at {first} and "
-                    f"again at {source_line(eqn)}. A strict name is sown at most once per call; "
-                    f"use mode='clobber' to keep the last value, or another name."
-                )
-            if mode == "append":
-                raise ValueError(
-                    f"{self.label(path)} is sown twice with mode='append', at {first} and "
-                    f"again at {source_line(eqn)}. 'append' stacks the values of one sow "
-                    f"along the iterations of the scans around it; a second sow of the name "
-                    f"(outside a scan, or in another scan) has nowhere to go. Use another "
-                    f"name, or mode='clobber' to keep the last value."
-                )
+            self.check_again(ctx, path, mode, where)
         else:
-            self.first_sown.setdefault(path, source_line(eqn))
-        value = jax.tree.unflatten(params["tree"], invals)
-        return HandlerResult(ctx.sown(path, value, mode), list(invals))
+            self.first_sown.setdefault(path, where)
+        if pred is not None:
+            value = self.where(ctx, path, params, pred, value, where)
+        return ctx.sown(path, value, mode)
+
+    def check_again(self, ctx: Reaped, path: SowPath, mode: str, where: str) -> None:
+        """A name already sown is sown again at `where`: only "clobber" allows it."""
+        before = ctx.modes[path]
+        first = self.first_sown.get(path, "unknown")
+        if before != mode:
+            raise ValueError(
+                f"{self.label(path)} is sown with mode={before!r} at {first} and with "
+                f"mode={mode!r} at {where}; a name has one mode. Use the same "
+                f"mode for every sow of a name."
+            )
+        if mode == "strict":
+            raise ValueError(
+                f"{self.label(path)} is sown twice with mode='strict': at {first} and "
+                f"again at {where}. A strict name is sown at most once per call. If a "
+                f"function that sows it is called twice, wrap each call in "
+                f"kups.harvest.nest(fn, scope=...) so each gets its own scope; otherwise use "
+                f"mode='clobber' to keep the last value, or another name."
+            )
+        if mode == "append":
+            raise ValueError(
+                f"{self.label(path)} is sown twice with mode='append', at {first} and "
+                f"again at {where}. 'append' stacks the values of one sow "
+                f"along the iterations of the scans around it; a second sow of the name "
+                f"(outside a scan, or in another scan) has nowhere to go. Use another "
+                f"name, wrap each call in kups.harvest.nest(fn, scope=...), or "
+                f"mode='clobber' to keep the last value."
+            )
+
+    def where(
+        self, ctx: Reaped, path: SowPath, params: dict[str, Any], pred: Any, value: Any, at: str
+    ) -> Any:
+        """The value of a `sow_cond`: `value` where `pred` holds, the name's value so
+        far (or its `init`) elsewhere."""
+        if path in ctx.values:
+            before = ctx.values[path]
+        elif params["init"] is not None:
+            before = jax.tree.map(functools.partial(filled_with_init, self.tag, params, at), value)
+        else:
+            raise ValueError(
+                f"{self.label(path)} is sown with sow_cond at {at} and has no value before: "
+                f"where pred is false, the name would have no value, and kups does not invent "
+                f"one. Give sow_cond(..., init=<number>), or sow an initial value with "
+                f"sow(..., mode='clobber') before."
+            )
+        if jax.tree.structure(before) != jax.tree.structure(value) or any(
+            jnp.shape(b) != jnp.shape(v)
+            for b, v in zip(jax.tree.leaves(before), jax.tree.leaves(value))
+        ):
+            raise ValueError(
+                f"{self.label(path)} is sown with sow_cond at {at} with the structure and shapes "
+                f"{jax.tree.map(jnp.shape, value)}, but its value so far has "
+                f"{jax.tree.map(jnp.shape, before)}. Each sow of the name must keep them."
+            )
+        return jax.tree.map(
+            lambda new, old: jnp.where(pred, new, old).astype(jnp.result_type(old)), value, before
+        )
+
+    def seeded(self, ctx: Reaped, sows: list[JaxprEqn], eqn: JaxprEqn) -> Reaped:
+        """`ctx` with every `sow_cond` name of `sows` that has no value yet set to its
+        `init`, so that a loop carries it (a sow_cond keeps a value from one
+        iteration to the next) and a cond's branches agree on it."""
+        for sow_eqn in sows:
+            path, params = path_of(sow_eqn), sow_eqn.params
+            if not params["conditional"] or path in ctx.values:
+                continue
+            if params["init"] is None:
+                raise ValueError(
+                    f"{self.label(path)} is sown with sow_cond at {source_line(sow_eqn)}, inside "
+                    f"the {eqn.primitive.name} at {source_line(eqn)}, and has no value before it. "
+                    f"pred may never hold, and then the name would have no value; kups does "
+                    f"not invent one. Give sow_cond(..., init=<number>), or sow an initial "
+                    f"value with sow(..., mode='clobber') before."
+                )
+            _, operands = split_operands(params, list(sow_eqn.invars))
+            like = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in operands]
+            value = jax.tree.unflatten(
+                params["tree"],
+                [filled_with_init(self.tag, params, source_line(sow_eqn), leaf) for leaf in like],
+            )
+            self.first_sown.setdefault(path, source_line(sow_eqn))
+            ctx = ctx.sown(path, value, params["mode"])
+        return ctx
 
     def scan(
         self, interpreter: Interpreter, ctx: Reaped, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
         in_body = self.sows(eqn.params["jaxpr"])
-        for sow_eqn in in_body:
-            if sow_eqn.params["mode"] == "strict":
-                raise ValueError(
-                    f"{self.label(path_of(sow_eqn))} is sown with mode='strict' at "
-                    f"{source_line(sow_eqn)}, inside the scan at {source_line(eqn)}, so it would "
-                    f"be sown once per iteration. Use mode='append' to get one value per "
-                    f"iteration, or mode='clobber' to get the last iteration's value."
-                )
+        check_scan(self.tag, in_body, eqn)
+        ctx = self.seeded(ctx, in_body, eqn)
         # Names new in the body come back stacked along the iterations, entry i
         # belonging to xs[i]; names sown before the scan are carried.
         result = default_scan_handler(interpreter, ctx, eqn, invals, threading=ScanSemantics.RESULT)
@@ -137,7 +204,10 @@ class Reaper:
                 if init is not None:
                     values[path] = jax.tree.map(
                         lambda stacked, init=init: filled_with_init(
-                            self.tag, init, jax.ShapeDtypeStruct(stacked.shape[1:], stacked.dtype)
+                            self.tag,
+                            init.params,
+                            source_line(init),
+                            jax.ShapeDtypeStruct(stacked.shape[1:], stacked.dtype),
                         ),
                         value,
                     )
@@ -149,28 +219,17 @@ class Reaper:
         params = eqn.params
         in_condition = self.sows(params["cond_jaxpr"])
         in_loop = [*in_condition, *self.sows(params["body_jaxpr"])]
+        check_while(self.tag, in_loop, eqn)
+        ctx = self.seeded(ctx, in_loop, eqn)
         inits: dict[SowPath, JaxprEqn] = {}
         for sow_eqn in in_loop:
-            path, mode = path_of(sow_eqn), sow_eqn.params["mode"]
-            where = f"at {source_line(sow_eqn)}, inside the while_loop at {source_line(eqn)}"
-            if mode == "append":
-                raise ValueError(
-                    f"{self.label(path)} is sown with mode='append' {where}. A while loop "
-                    f"has no static number of iterations to stack along: use a scan "
-                    f"(or fori_loop with static bounds), or mode='clobber' for the last "
-                    f"value."
-                )
-            if mode == "strict":
-                raise ValueError(
-                    f"{self.label(path)} is sown with mode='strict' {where}, so it would be "
-                    f"sown once per iteration. Use mode='clobber' for the last value (and "
-                    f"sow an initial value before the loop, or give the sow init=)."
-                )
+            path = path_of(sow_eqn)
             if path not in ctx.values:
                 init = init_of(self.tag, path, in_loop)
                 if init is None:
                     raise ValueError(
-                        f"{self.label(path)} is first sown {where}. The loop may run zero "
+                        f"{self.label(path)} is first sown at {source_line(sow_eqn)}, inside "
+                        f"the while_loop at {source_line(eqn)}. The loop may run zero "
                         f"times, and then the name would have no value; kups does not invent "
                         f"one. Sow an initial value with mode='clobber' before the loop, or "
                         f"say what a zero-trip loop yields with "
@@ -191,7 +250,9 @@ class Reaper:
             values = dict(sentinel.values)
             for path in new:
                 values[path] = jax.tree.map(
-                    functools.partial(filled_with_init, self.tag, inits[path]),
+                    functools.partial(
+                        filled_with_init, self.tag, inits[path].params, source_line(inits[path])
+                    ),
                     sentinel.values[path],
                 )
             return sentinel.replace(values)
@@ -208,24 +269,50 @@ class Reaper:
     def cond(
         self, interpreter: Interpreter, ctx: Reaped, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
-        branches = eqn.params["branches"]
-        sown = [{path_of(e): e for e in self.sows(branch)} for branch in branches]
-        new_paths = sorted({path for paths in sown for path in paths} - set(ctx.values))
-        for path in new_paths:
-            with_it = [i for i, paths in enumerate(sown) if path in paths]
-            without = [i for i, paths in enumerate(sown) if path not in paths]
-            if without:
-                where = ", ".join(f"{i} (at {source_line(sown[i][path])})" for i in with_it)
-                raise ValueError(
-                    f"{self.label(path)} is sown in branch {where} of the cond/switch at "
-                    f"{source_line(eqn)} but not in branch {', '.join(map(str, without))} (the "
-                    f"branches of lax.cond are 0: false_fun, 1: true_fun). The "
-                    f"taken branch's value is reaped, so when a branch that does not sow "
-                    f"it runs, the name has no value; kups does not invent one. Sow it in "
-                    f"every branch (same shape and dtype), or sow an initial value with "
-                    f"mode='clobber' before the cond."
-                )
+        branches = [self.sows(branch) for branch in eqn.params["branches"]]
+        ctx = self.seeded(ctx, [e for sows in branches for e in sows], eqn)
+        sown = [{path_of(e): e for e in sows} for sows in branches]
+        check_cond(self.tag, sown, eqn, ctx.values)
         return default_cond_handler(interpreter, ctx, eqn, invals)
+
+    def custom_jvp(
+        self, interpreter: Interpreter, ctx: Reaped, eqn: JaxprEqn, invals: list[Any]
+    ) -> HandlerResult:
+        """A `custom_jvp` function, whose JVP rule may sow. Under a `jvp` (or `grad`)
+        applied outside `reap`, JAX runs the rule while this handler binds the
+        function, out of the interpreter's sight; the sows it binds there are seen
+        by `watching`, and their values are reaped from the rule run once more
+        under a `reap` of those names, at the primal inputs, with zero tangents
+        (the tangent of a value reaped from a rule is zero, as in Oryx)."""
+        in_rule: set[SowPath] = set()
+
+        def watch(params: dict[str, Any]) -> None:
+            path = (*params["scope"], params["name"])
+            if params["tag"] == self.tag and self.selection.takes(path):
+                in_rule.add(path)
+
+        with watching(watch):
+            result = default_custom_jvp_handler(interpreter, ctx, eqn, invals)
+        if not in_rule:
+            return result
+        inner = Reaper(Selection(self.tag, frozenset(in_rule), frozenset(), False))
+        rule_interpreter = inner.interpreter("reap", InterpreterPolicy.IGNORE)
+        primals = [jax.lax.stop_gradient(x) for x in invals]
+        _, sown = reinterpret(_rule_of(eqn), rule_interpreter)(Reaped(self.tag, {}, {}), primals)
+        out: Reaped = result.ctx
+        where = f"the custom_jvp rule of the function called at {source_line(eqn)}"
+        for path, value in sorted(sown.values.items()):
+            mode = sown.modes[path]
+            if path in out.modes and path not in ctx.modes:
+                # Also sown by the function itself (which the rule may call): the
+                # function's sow stands for both, as when no jvp runs the rule.
+                continue
+            if path in out.modes:
+                self.check_again(out, path, mode, where)
+            else:
+                self.first_sown.setdefault(path, where)
+            out = out.sown(path, value, mode)
+        return HandlerResult(out, result.outvals)
 
     def shard_map(
         self, interpreter: Interpreter, ctx: Reaped, eqn: JaxprEqn, invals: list[Any]
@@ -258,7 +345,7 @@ class Reaper:
 def reap(
     fn: Callable[..., Any],
     *,
-    tag: str,
+    tag: Tag,
     allowlist: Iterable[str | tuple[str, ...]] | None = None,
     blocklist: Iterable[str | tuple[str, ...]] | None = None,
     exclusive: bool = False,
@@ -338,3 +425,25 @@ def reap(
         return out, reaper.result(ctx)
 
     return wrapped
+
+
+def _rule_of(eqn: JaxprEqn) -> Callable[[list[Any]], Any]:
+    """The JVP rule of a `custom_jvp_call` equation, run at `primals` with zero
+    tangents (how `jax.jvp` runs it)."""
+
+    def rule(primals: list[Any]) -> Any:
+        def function(*args: Any) -> Any:
+            # The staged params as `bind` takes them (a dict holding `subfuns`
+            # since JAX 0.9.2, below kups' floor).
+            return eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+
+        tangents = [_zero_tangent(x) for x in primals]
+        return jax.jvp(function, tuple(primals), tuple(tangents))
+
+    return rule
+
+
+def _zero_tangent(x: Any) -> Any:
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(jnp.shape(x), jax.dtypes.float0)

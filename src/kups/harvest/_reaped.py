@@ -12,7 +12,7 @@ from jax.extend.core import JaxprEqn
 
 from kups.effects import source_line
 
-from ._names import NameKey, SowPath, describe, path_of
+from ._names import NameKey, SowPath, Tag, describe, path_of
 
 
 class Reaped:
@@ -22,7 +22,7 @@ class Reaped:
     context whose leaves are abstract.
     """
 
-    def __init__(self, tag: str, values: Mapping[SowPath, Any], modes: Mapping[SowPath, str]):
+    def __init__(self, tag: Tag, values: Mapping[SowPath, Any], modes: Mapping[SowPath, str]):
         self.tag = tag
         self.values = dict(values)
         self.modes = dict(modes)
@@ -53,7 +53,7 @@ def _same_number(a: Any, b: Any) -> bool:
     return bool(a == b or (a != a and b != b))  # NaN is NaN
 
 
-def init_of(tag: str, path: SowPath, sows: list[JaxprEqn]) -> JaxprEqn | None:
+def init_of(tag: Tag, path: SowPath, sows: list[JaxprEqn]) -> JaxprEqn | None:
     """The sow among `sows` that gives `path` its `init`, or `None`."""
     given = [e for e in sows if path_of(e) == path and e.params["init"] is not None]
     for other in given[1:]:
@@ -66,11 +66,11 @@ def init_of(tag: str, path: SowPath, sows: list[JaxprEqn]) -> JaxprEqn | None:
     return given[0] if given else None
 
 
-def filled_with_init(tag: str, sow_eqn: JaxprEqn, like: Any) -> Any:
-    """An array of `like`'s shape and dtype filled with the `init` of `sow_eqn`,
-    which that dtype must hold (an integer leaf cannot hold NaN or 0.5; JAX
-    would convert it silently)."""
-    dtype, init = like.dtype, sow_eqn.params["init"]
+def filled_with_init(tag: Tag, params: Mapping[str, Any], at: str, like: Any) -> Any:
+    """An array of `like`'s shape and dtype filled with the `init` of the sow of
+    `params` (at source line `at`), which that dtype must hold (an integer leaf
+    cannot hold NaN or 0.5; JAX would convert it silently)."""
+    dtype, init = like.dtype, params["init"]
     value = complex(init)
     if jnp.issubdtype(dtype, jnp.bool_):
         fits = value in (0, 1)
@@ -88,7 +88,7 @@ def filled_with_init(tag: str, sow_eqn: JaxprEqn, like: Any) -> Any:
         fits = True
     if not fits:
         raise ValueError(
-            f"{describe(tag, path_of(sow_eqn))} is sown at {source_line(sow_eqn)} with "
+            f"{describe(tag, (*params['scope'], params['name']))} is sown at {at} with "
             f"init={init!r}, which a leaf of dtype {jnp.dtype(dtype).name} of the sown value "
             f"cannot hold. init fills every leaf: give one that each leaf's dtype holds "
             f"exactly, or sow an initial value before the loop."

@@ -24,7 +24,7 @@ from kups.effects import (
     sub_jaxprs,
 )
 
-from ._names import SowPath, check_name, path_of, show_path
+from ._names import SowPath, Tag, check_tag, path_of, show_path
 from ._sow import sow_p
 
 
@@ -65,14 +65,14 @@ def _entries(caller: str, what: str, entries: Any) -> frozenset[SowPath] | None:
 class Selection:
     """Which sows a `reap`, `plant` or `harvest` call acts on."""
 
-    tag: str
+    tag: Tag
     allowlist: frozenset[SowPath] | None
     blocklist: frozenset[SowPath]
     exclusive: bool
 
     @classmethod
-    def of(cls, caller: str, tag: str, allowlist: Any, blocklist: Any, exclusive: Any) -> Selection:
-        check_name("tag", tag)
+    def of(cls, caller: str, tag: Tag, allowlist: Any, blocklist: Any, exclusive: Any) -> Selection:
+        check_tag(caller, tag)
         allowed = _entries(caller, "allowlist", allowlist)
         blocked = _entries(caller, "blocklist", blocklist) or frozenset()
         both = sorted(blocked & allowed) if allowed is not None else []
@@ -168,6 +168,7 @@ def selective_interpreter(
     policy: InterpreterPolicy,
     sow: Handler,
     loops: dict[str, Handler],
+    always: dict[str, Handler] | None = None,
 ) -> Interpreter:
     """The interpreter of a reap or plant: `sow` for the sow primitive, and the
     `loops` handlers, which act only when a sow is inside (so control flow with
@@ -175,11 +176,17 @@ def selective_interpreter(
     dispatcher = default_dispatcher().register_handler(sow_p, sow)
     for name, handler in loops.items():
         dispatcher.register_handler(name, skip_when_untouched(handler))
+    for name, handler in (always or {}).items():
+        dispatcher.register_handler(name, handler)
 
     def acts_on(effect: Any, params: Mapping[str, Any]) -> bool:
         # Whether a sow bound with `params` is one this call takes.
+        # A sow in a custom_jvp rule, which JAX runs out of the interpreter's sight,
+        # is reaped by `Reaper.custom_jvp` instead.
         return effect is not sow_p or (
-            params["tag"] == selection.tag and selection.takes((*params["scope"], params["name"]))
+            not params["in_rule"]
+            and params["tag"] == selection.tag
+            and selection.takes((*params["scope"], params["name"]))
         )
 
     return Interpreter(
