@@ -47,6 +47,7 @@ them. Sows a call does not act on stay in the program for an enclosing call,
 except that with `exclusive=True` the sows of other tags are removed.
 """
 
+from ._grads import reap_grads as reap_grads
 from ._harvest import harvest as harvest
 from ._nest import nest as nest
 from ._plant import plant as plant
@@ -55,4 +56,4 @@ from ._sow import MODES as MODES
 from ._sow import sow as sow
 from ._sow import sow_cond as sow_cond
 
-__all__ = ["MODES", "harvest", "nest", "plant", "reap", "sow", "sow_cond"]
+__all__ = ["MODES", "harvest", "nest", "plant", "reap", "reap_grads", "sow", "sow_cond"]

@@ -53,12 +53,15 @@ class Planter:
     """The handlers of one `plant` call (one tag), and the names it saw sown.
 
     With `consume`, a planted sow is removed from the program (as `harvest`
-    does) instead of being bound again on the planted value."""
+    does) instead of being bound again on the planted value. With `add`, the
+    planted value is added to the sown one instead of replacing it (how
+    `reap_grads` perturbs sown values)."""
 
-    def __init__(self, selection: Selection, *, consume: bool = False):
+    def __init__(self, selection: Selection, *, consume: bool = False, add: bool = False):
         self.selection = selection
         self.tag = selection.tag
         self.consume = consume
+        self.add = add
         self.seen: set[SowPath] = set()  # the paths of the sows it acts on
         self.left_out: set[SowPath] = set()  # sows of its tag that allowlist/blocklist leave out
 
@@ -121,6 +124,8 @@ class Planter:
             value = jax.tree.map(functools.partial(entry_for, ctx, op), value)
         pred, own = split_operands(eqn.params, invals)
         leaves = planted_leaves(self.tag, eqn, value, own)
+        if self.add:
+            leaves = [old + new for new, old in zip(leaves, own, strict=True)]
         if pred is not None:  # a sow_cond: planted where pred holds
             leaves = [jnp.where(pred, new, old) for new, old in zip(leaves, own, strict=True)]
         operands = leaves if pred is None else [pred, *leaves]
