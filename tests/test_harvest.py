@@ -20,7 +20,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kups.effects import InterpreterPolicy
-from kups.harvest import MODES, harvest, nest, plant, reap, sow
+from kups.harvest import MODES, harvest, nest, plant, reap, reap_grads, sow
 from library_primitive import library_call, library_fn_call
 
 XS = jnp.array([0.5, -1.0, 2.0, 0.25, 1.5], jnp.float32)
@@ -1923,3 +1923,38 @@ def test_loops_without_a_sow_are_not_walked(monkeypatch):
     assert planted == 5.0 + 0.0 + 1.0
     # Only the scan that sows reaches the handlers, once for reap and once for plant.
     assert calls == ["scan", "scan"]
+
+
+# ---------------------------------------------------------------- jax.export
+
+
+def _exported_program(x):
+    y = sow(jnp.sin(x), tag="t", name="y")
+    h = lax.scan(lambda c, v: (c + sow(v * c, tag="t", name="s", mode="append"), None), 1.0, x)[0]
+    return sow(y * 2.0 + h, tag="t", name="out", mode="clobber")
+
+
+def _round_trip(fn, *args):
+    """`fn` exported from its jit, serialized, deserialized: its call, eagerly and
+    inside jit, must give what `fn` gives."""
+    from jax import export
+
+    exported = export.export(jax.jit(fn))(*args)
+    restored = export.deserialize(exported.serialize())
+    expected = fn(*args)
+    assert_tree_close(restored.call(*args), expected)
+    assert_tree_close(jax.jit(restored.call)(*args), expected)
+    assert jax.tree.structure(restored.call(*args)) == jax.tree.structure(expected)
+
+
+def test_export_round_trips_reap_harvest_and_reap_grads():
+    x = jnp.arange(3.0, dtype=jnp.float32)
+    _round_trip(reap(_exported_program, tag="t"), x)
+    _, reaped = reap(_exported_program, tag="t")(x)
+    np.testing.assert_array_equal(reaped["s"], x * jnp.array([1.0, 1.0, 2.0]))
+    _round_trip(lambda v: harvest(_exported_program, tag="t")({"y": jnp.ones(3)}, v), x)
+    _round_trip(
+        reap(lambda v: plant(_exported_program, tag="t")({"y": jnp.ones(3)}, v), tag="t"), x
+    )
+    _round_trip(reap_grads(lambda v: jnp.sum(_exported_program(v)), tag="t"), x)
+    _round_trip(reap(nest(_exported_program, scope="inner"), tag="t"), x)
