@@ -8,7 +8,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from kups.effects import (
@@ -18,7 +17,6 @@ from kups.effects import (
     ScanSemantics,
     check_policy,
     default_cond_handler,
-    default_custom_jvp_handler,
     default_scan_handler,
     default_shard_map_handler,
     default_while_handler,
@@ -28,11 +26,12 @@ from kups.effects import (
     wraps_with_leading,
 )
 
+from ._custom_jvp import reap_custom_jvp
 from ._names import SowPath, Tag, describe, path_of, show_path
 from ._reaped import Reaped, filled_with_init, init_of, nested
 from ._rules import check_cond, check_scan, check_while
 from ._selection import Selection, pass_through, selective_interpreter, sows_in, specs_like
-from ._sow import split_operands, watching
+from ._sow import split_operands
 
 
 class Reaper:
@@ -57,7 +56,7 @@ class Reaper:
             "cond": self.cond,
             "shard_map": self.shard_map,
         }
-        always = {"custom_jvp_call": self.custom_jvp}
+        always = {"custom_jvp_call": functools.partial(reap_custom_jvp, self)}
         return selective_interpreter(self.selection, caller, policy, self.sow, loops, always)
 
     def result(self, ctx: Reaped) -> dict[str, Any]:
@@ -275,45 +274,6 @@ class Reaper:
         check_cond(self.tag, sown, eqn, ctx.values)
         return default_cond_handler(interpreter, ctx, eqn, invals)
 
-    def custom_jvp(
-        self, interpreter: Interpreter, ctx: Reaped, eqn: JaxprEqn, invals: list[Any]
-    ) -> HandlerResult:
-        """A `custom_jvp` function, whose JVP rule may sow. Under a `jvp` (or `grad`)
-        applied outside `reap`, JAX runs the rule while this handler binds the
-        function, out of the interpreter's sight; the sows it binds there are seen
-        by `watching`, and their values are reaped from the rule run once more
-        under a `reap` of those names, at the primal inputs, with zero tangents
-        (the tangent of a value reaped from a rule is zero, as in Oryx)."""
-        in_rule: set[SowPath] = set()
-
-        def watch(params: dict[str, Any]) -> None:
-            path = (*params["scope"], params["name"])
-            if params["tag"] == self.tag and self.selection.takes(path):
-                in_rule.add(path)
-
-        with watching(watch):
-            result = default_custom_jvp_handler(interpreter, ctx, eqn, invals)
-        if not in_rule:
-            return result
-        inner = Reaper(Selection(self.tag, frozenset(in_rule), frozenset(), False))
-        rule_interpreter = inner.interpreter("reap", InterpreterPolicy.IGNORE)
-        primals = [jax.lax.stop_gradient(x) for x in invals]
-        _, sown = reinterpret(_rule_of(eqn), rule_interpreter)(Reaped(self.tag, {}, {}), primals)
-        out: Reaped = result.ctx
-        where = f"the custom_jvp rule of the function called at {source_line(eqn)}"
-        for path, value in sorted(sown.values.items()):
-            mode = sown.modes[path]
-            if path in out.modes and path not in ctx.modes:
-                # Also sown by the function itself (which the rule may call): the
-                # function's sow stands for both, as when no jvp runs the rule.
-                continue
-            if path in out.modes:
-                self.check_again(out, path, mode, where)
-            else:
-                self.first_sown.setdefault(path, where)
-            out = out.sown(path, value, mode)
-        return HandlerResult(out, result.outvals)
-
     def shard_map(
         self, interpreter: Interpreter, ctx: Reaped, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
@@ -425,25 +385,3 @@ def reap(
         return out, reaper.result(ctx)
 
     return wrapped
-
-
-def _rule_of(eqn: JaxprEqn) -> Callable[[list[Any]], Any]:
-    """The JVP rule of a `custom_jvp_call` equation, run at `primals` with zero
-    tangents (how `jax.jvp` runs it)."""
-
-    def rule(primals: list[Any]) -> Any:
-        def function(*args: Any) -> Any:
-            # The staged params as `bind` takes them (a dict holding `subfuns`
-            # since JAX 0.9.2, below kups' floor).
-            return eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
-
-        tangents = [_zero_tangent(x) for x in primals]
-        return jax.jvp(function, tuple(primals), tuple(tangents))
-
-    return rule
-
-
-def _zero_tangent(x: Any) -> Any:
-    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-        return jnp.zeros_like(x)
-    return np.zeros(jnp.shape(x), jax.dtypes.float0)

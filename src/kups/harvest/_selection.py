@@ -167,8 +167,8 @@ def selective_interpreter(
     caller: str,
     policy: InterpreterPolicy,
     sow: Handler,
-    loops: dict[str, Handler],
-    always: dict[str, Handler] | None = None,
+    loops: Mapping[str, Handler],
+    always: Mapping[str, Handler] | None = None,
 ) -> Interpreter:
     """The interpreter of a reap or plant: `sow` for the sow primitive, and the
     `loops` handlers, which act only when a sow is inside (so control flow with
