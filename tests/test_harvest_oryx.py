@@ -292,3 +292,33 @@ def test_a_sow_in_a_custom_jvp_rule_under_grad_outside_reap():
         return out + 0.0 * sown.get("in_rule", 0.0)
 
     np.testing.assert_allclose(jax.grad(loss)(0.7), jax.grad(uses_soft)(0.7), rtol=1e-6)
+
+
+def test_sow_cond_in_a_scan_inside_shard_map(mesh8):
+    from jax.sharding import PartitionSpec as P
+
+    def f(x):
+        def body(block):
+            def step(c, v):
+                sow_cond(v, v > 0.5, tag="t", name="last", init=-1.0)
+                return c + v, None
+
+            return lax.scan(step, jnp.zeros_like(block[0]), block)[0][None]
+
+        return jax.shard_map(body, mesh=mesh8, in_specs=P("i"), out_specs=P("i"))(x)
+
+    x = jnp.linspace(0.0, 1.0, 16, dtype=jnp.float32)
+    out, sown = jax.jit(reap(f, tag="t"))(x)
+    np.testing.assert_allclose(out, jax.jit(f)(x), rtol=1e-6)
+    blocks = np.asarray(x).reshape(8, 2)
+    expected = [([v for v in block if v > 0.5] or [-1.0])[-1] for block in blocks]
+    np.testing.assert_allclose(sown["last"], expected, rtol=1e-6)
+
+
+def test_sow_cond_under_vmap():
+    def f(x):
+        return sow_cond(x * 2.0, x > 0.5, tag="t", name="a", init=0.0)
+
+    x = jnp.linspace(0.0, 1.0, 5, dtype=jnp.float32)
+    _, sown = jax.vmap(reap(f, tag="t"))(x)
+    np.testing.assert_allclose(sown["a"], np.where(np.asarray(x) > 0.5, 2 * np.asarray(x), 0.0))

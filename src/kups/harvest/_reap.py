@@ -23,6 +23,7 @@ from kups.effects import (
     reinterpret,
     shard_map_axes,
     source_line,
+    varying_axes,
     wraps_with_leading,
 )
 
@@ -168,11 +169,14 @@ class Reaper:
                     f"value with sow(..., mode='clobber') before."
                 )
             _, operands = split_operands(params, list(sow_eqn.invars))
-            like = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in operands]
-            value = jax.tree.unflatten(
-                params["tree"],
-                [filled_with_init(self.tag, params, source_line(sow_eqn), leaf) for leaf in like],
-            )
+            leaves = []
+            for operand in operands:
+                leaf = filled_with_init(self.tag, params, source_line(sow_eqn), operand.aval)
+                # Inside shard_map, a loop carries it with the sown value's
+                # varying manual axes.
+                varying = tuple(sorted(varying_axes(operand.aval), key=str))
+                leaves.append(jax.lax.pcast(leaf, varying, to="varying") if varying else leaf)
+            value = jax.tree.unflatten(params["tree"], leaves)
             self.first_sown.setdefault(path, source_line(sow_eqn))
             ctx = ctx.sown(path, value, params["mode"])
         return ctx

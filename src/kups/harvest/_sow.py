@@ -46,6 +46,8 @@ def sow(
 
     - `value`: a pytree of arrays.
     - `tag`: the group this value belongs to; `reap` and `plant` act on one tag.
+      Any hashable value (a string, a number, a tuple, an `Enum` member) other
+      than `None` and `""`, compared with `==`, as in Oryx.
     - `name`: the value's name within the tag.
     - `mode`: `"strict"` (the name is sown at most once per call), `"clobber"`
       (the last sow wins) or `"append"` (inside `scan`: one value per
