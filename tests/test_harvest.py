@@ -20,7 +20,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kups.effects import InterpreterPolicy
-from kups.harvest import MODES, harvest, nest, plant, reap, reap_grads, sow
+from kups.harvest import MODES, harvest, nest, plant, reap, reap_grads, sow, sow_cond
 from library_primitive import library_call, library_fn_call
 
 XS = jnp.array([0.5, -1.0, 2.0, 0.25, 1.5], jnp.float32)
@@ -1866,7 +1866,7 @@ def test_opaque_control_flow_without_a_sow_runs_under_the_default_policy():
 # ---------------------------------------------------------------- docstring examples
 
 
-@pytest.mark.parametrize("function", [sow, reap, plant, harvest, nest])
+@pytest.mark.parametrize("function", [sow, sow_cond, reap, reap_grads, plant, harvest, nest])
 def test_docstring_example_runs(function):
     source = re.search(r"```python\n(.*?)```", function.__doc__, re.DOTALL)
     assert source is not None
