@@ -1283,3 +1283,43 @@ def test_reduce_ctx_other_errors_pass_through_unchanged(mesh, reduce, error, tex
     with pytest.raises(error, match=text) as info:
         reinterpret(user_shard_map, interpreter)(jnp.float32(0), X, mesh)
     assert "not a manual axis" not in str(info.value)
+
+
+# ---------------------------------------------------------------- kups.harvest (issue 24)
+
+
+def test_a_strict_sow_sown_twice_suggests_nest():
+    def layer(x):
+        return sow(jnp.tanh(x), tag="act", name="out")
+
+    def model(x):
+        return layer(layer(x))
+
+    message = expect(
+        ValueError,
+        lambda: reap(model, tag="act")(jnp.float32(0.5)),
+        "name 'out' of tag 'act' is sown twice with mode='strict'",
+        "kups.harvest.nest(fn, scope=...)",
+    )
+    assert "test_errors.py" in message  # both sows are located in the user's file
+
+
+def test_plant_of_a_filtered_out_name_does_not_contradict_itself():
+    def f(x):
+        return sow(x, tag="t", name="x") + sow(x, tag="t", name="y")
+
+    message = expect(
+        ValueError,
+        lambda: plant(f, tag="t", blocklist=["x"])({"x": 1.0}, jnp.float32(2.0)),
+        "plant(tag='t', blocklist=['x']) was given ['x'], which the function sows under tag "
+        "'t' but allowlist/blocklist leave out",
+        "that this call acts on are: ['y']",
+    )
+    assert "never sows" not in message
+    message = expect(
+        ValueError,
+        lambda: plant(f, tag="t", allowlist=["y"])({"x": 1.0, "z": 2.0}, jnp.float32(2.0)),
+        "['z'], which the function never sows under tag 't'",
+        "['x'], which the function sows under tag 't' but allowlist/blocklist leave out",
+    )
+    assert "none" not in message
