@@ -128,6 +128,17 @@ def source_line(eqn: JaxprEqn) -> str:
     return shown
 
 
+def user_frames(eqn: JaxprEqn) -> list[tuple[str, int, str]]:
+    """`(file, line, function)` of each user frame of `eqn`, innermost first, kups'
+    own frames left out."""
+    frames = _source_info_util.user_frames(eqn.source_info.traceback)
+    return [
+        (f.file_name, f.start_line, f.function_name)
+        for f in frames
+        if not _is_kups_frame(f.file_name)
+    ]
+
+
 def user_frame(eqn: JaxprEqn) -> tuple[str, int] | None:
     """`(file, line)` of the user's code that produced `eqn`, if known."""
     frame = _user_frame(eqn)
