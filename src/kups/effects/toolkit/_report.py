@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import html
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 from jax.core import Tracer
@@ -91,6 +91,9 @@ class Report:
     ```
     """
 
+    # How the report's messages name it: "needs a concrete report".
+    _noun: ClassVar[str] = "report"
+
     def _first_event(self) -> Event | None:
         raise NotImplementedError(f"{type(self).__name__} must define _first_event()")
 
@@ -100,7 +103,7 @@ class Report:
     def _event(self, reading: str) -> Event | None:
         if self._is_traced():
             raise TypeError(
-                f"{type(self).__name__}.{reading} needs a concrete report, but this one is "
+                f"{type(self).__name__}.{reading} needs a concrete {self._noun}, but this one is "
                 f"traced (it is being used inside jax.jit or another transformation). "
                 f"Return it from the transformed function and read .{reading} on the "
                 f"result, outside jit."
