@@ -1167,3 +1167,30 @@ def test_a_jitted_checked_function_exports_serializes_and_runs():
     assert error.get() == expected.get() == f"x=3.0 at step at iteration 3 ({at('exported')})"
     out, error = jax.jit(restored.call)(jnp.zeros(5))
     assert error.get() is None and out == 0.0
+
+
+def test_automatic_messages_inside_shard_map_say_the_index_is_the_shards(mesh42):
+    def body(numerator, divisor):
+        return numerator // divisor, numerator[divisor[0, 0] + 1]
+
+    f = jax.shard_map(
+        body,
+        mesh=mesh42,
+        in_specs=(P("x", "y"), P("x", "y")),
+        out_specs=(P("x", "y"), P(("x", "y"))),
+    )
+    numerator = jnp.arange(32).reshape(8, 4)
+    divisor = jnp.ones((8, 4), jnp.int32).at[5, 2].set(0)
+    _, error = jax.jit(checked(f, errors=div_checks))(numerator, divisor)
+    # Global element (5, 2) is element (1, 0) of shard x=2, y=1's (2, 2) block.
+    assert (
+        error.message == "division by zero in 'div' (divisor element [1 0] of this shard's block)"
+    )
+    assert error.shard == {"x": 2, "y": 1} and error.primitive == "div"
+    _, error = jax.jit(checked(f, errors=index_checks))(numerator, divisor + 1)
+    assert error.message.startswith(
+        "out-of-bounds index 3 on axis 0 of an operand of shape (2, 2) of this shard's block"
+    )
+    # Outside shard_map the message says nothing of shards.
+    _, error = checked(lambda a, b: a // b, errors=div_checks)(numerator, divisor)
+    assert error.message == "division by zero in 'div' (divisor element [5 2])"
