@@ -1,5 +1,6 @@
 """`kups.checks`: `check` recorded through jit, loops, cond, shard_map; `Error` readout."""
 
+import inspect
 import pathlib
 import re
 
@@ -1194,3 +1195,21 @@ def test_automatic_messages_inside_shard_map_say_the_index_is_the_shards(mesh42)
     # Outside shard_map the message says nothing of shards.
     _, error = checked(lambda a, b: a // b, errors=div_checks)(numerator, divisor)
     assert error.message == "division by zero in 'div' (divisor element [5 2])"
+
+
+def not_an_array(x):  # returns a string
+    return "not an array"
+
+
+def test_a_jitted_checked_function_with_a_bad_output_names_the_users_file():
+    with pytest.raises(TypeError) as plain:
+        jax.jit(not_an_array)(1.0)
+    with pytest.raises(TypeError) as wrapped:
+        jax.jit(checked(not_an_array))(1.0)
+    where = f"function not_an_array at {__file__}:{_SOURCE.index('def not_an_array(x):  # returns a string') + 1}"
+    assert str(plain.value).startswith(where)
+    assert str(wrapped.value).startswith(where)
+    assert "traceback_util" not in str(wrapped.value)
+    # The wrapper still looks like the function, with its signature.
+    assert checked(not_an_array).__name__ == "not_an_array"
+    assert str(inspect.signature(checked(not_an_array))) == "(x)"
