@@ -72,7 +72,11 @@ class Flagged(Report, eqx.Module):
         return Event(msg, "flag", source, tuple(loops[:depth].tolist()), shard)
 
 
+_RECORDED: list[str] = []
+
+
 def _record(interpreter, ctx, eqn, invals):
+    _RECORDED.append(eqn.params["msg"])
     position = ctx.position
     key = (eqn.params["msg"], source_of(eqn, position.enclosing), position.depth)
     site = _SITES.setdefault((*key, position.shard_axes), len(_SITES))
@@ -304,3 +308,18 @@ def test_vmapped_report_reads_the_first_element_with_first_index():
 
     _, report = jax.vmap(flagged(f))(jnp.array([0.0, 3.0, 5.0]))
     assert first_index(report.site >= 0) == (1,)
+
+
+def test_a_function_called_from_two_lines_is_interpreted_once():
+    positive = jax.jit(lambda x: (flag(x > 0, "called twice"), x)[1])
+
+    def f(x):
+        y = positive(x)
+        return positive(y * 2)
+
+    before = _RECORDED.count("called twice")
+    out, report = jax.jit(flagged(f))(-1.0)
+    assert out == f(-1.0) and report.message == "called twice"
+    # The position's fallback line is part of the context's structure; it stays
+    # the same where nothing inside needs it, so the body cache serves both calls.
+    assert _RECORDED.count("called twice") - before == 1

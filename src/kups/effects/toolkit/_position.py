@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -15,10 +16,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend.core import JaxprEqn
+from jax.extend.core import Jaxpr, JaxprEqn
 from jax.sharding import PartitionSpec as P
 
 from .._equations import shard_map_axes, varying_axes
+from .._matching import sub_jaxprs
 from .._types import HandlerResult
 from ._source import source_of
 
@@ -177,6 +179,21 @@ def _shard_coords(outer: jax.Array | None, sizes: tuple[int, ...]) -> jax.Array:
     return jnp.concatenate([outer, grid], -1)
 
 
+_FRAMELESS: weakref.WeakKeyDictionary[Jaxpr, bool] = weakref.WeakKeyDictionary()
+
+
+def _has_frameless(jaxpr: Jaxpr) -> bool:
+    """Whether an equation in `jaxpr` (or deeper) has no user source line, so that
+    `source_of` falls back to the enclosing one there. Cached per jaxpr."""
+    found = _FRAMELESS.get(jaxpr)
+    if found is None:
+        found = _FRAMELESS[jaxpr] = any(
+            source_of(eqn) is None or any(map(_has_frameless, sub_jaxprs(eqn)))
+            for eqn in jaxpr.eqns
+        )
+    return found
+
+
 @functools.lru_cache(maxsize=512)
 def _advance(field: str, step: int, updater: Callable[[Any, Any], Any] | None) -> Any:
     """The loop updater: the effect's own, then the innermost counter moved on.
@@ -221,7 +238,8 @@ def track_position(handler: Handler, *, field: str = "position", varying: bool =
 
     Wrap the handler of each control-flow primitive (`scan`, `while`, `cond`,
     `shard_map`, `jit`, ...). Inside the equation the position's `enclosing`
-    is the equation's source line; a `scan` or `while` adds a loop counter that
+    is the equation's source line (where an equation inside has none of its
+    own); a `scan` or `while` adds a loop counter that
     advances after every iteration; a `shard_map` adds its manual axes and hands
     each shard its coordinates. Afterwards the position is the one before.
 
@@ -265,7 +283,12 @@ def track_position(handler: Handler, *, field: str = "position", varying: bool =
     ) -> Any:
         name = eqn.primitive.name
         before: Position = _get(ctx, field)
-        inside = dataclasses.replace(before, enclosing=source_of(eqn, before.enclosing))
+        inside = before
+        # Only a body that needs it gets the equation's line as its fallback: the
+        # position is part of the context's structure, and a function called
+        # from several lines is then still interpreted once.
+        if any(map(_has_frameless, sub_jaxprs(eqn))):
+            inside = dataclasses.replace(before, enclosing=source_of(eqn, before.enclosing))
         if name in ("scan", "while"):
             reverse = name == "scan" and eqn.params["reverse"]
             start = eqn.params["length"] - 1 if reverse else 0
