@@ -1,5 +1,6 @@
 """`kups.checks`: `check` recorded through jit, loops, cond, shard_map; `Error` readout."""
 
+import inspect
 import pathlib
 import re
 
@@ -603,7 +604,7 @@ def test_fields_of_a_passing_error_are_none():
 def test_fields_outside_loops_and_shard_map():
     error = jax.jit(checked(positive))(jnp.float32(-3.0))[1]
     assert error.message == "x must be positive, got -3.0"
-    assert error.iteration is None and error.shard is None
+    assert error.iteration == () and error.shard is None
     assert error.source == at("positive")
     assert error.kind == "user"
 
@@ -622,16 +623,17 @@ def test_fields_in_nested_loops_and_shard_map(mesh42):
         return lax.scan(outer, 0, block)[1][:, None]
 
     f = jax.shard_map(body, mesh=mesh42, in_specs=P(("x", "y")), out_specs=P(("x", "y")))
-    # 8 shards of one row of 4 entries, rows k*10: row 1 is [10, 10, 10, 10]
-    # (shard x=0, y=1) and reaches 20 after 2 entries.
+    # 8 shards of one row of 4 entries, rows k*10: row 1 (shard x=0, y=1) reaches
+    # 20 after 2 entries, rows 2 to 7 after 1. The earliest iteration comes first,
+    # then the first shard in mesh order: row 2, shard x=1, y=0.
     xs = jnp.repeat(jnp.arange(8.0) * 10, 4).reshape(8, 4)
     _, error = jax.jit(checked(f))(xs)
     assert error.message == "total 20.0"
-    assert error.iteration == (0, 2)
-    assert error.shard == {"x": 0, "y": 1}
+    assert error.iteration == (0, 1)
+    assert error.shard == {"x": 1, "y": 0}
     assert error.source == at("nested fields")
     assert error.get() == (
-        f"total 20.0 at iterations 0, 2 (outermost loop first) on shard x=0, y=1 "
+        f"total 20.0 at iterations 0, 1 (outermost loop first) on shard x=1, y=0 "
         f"({at('nested fields')})"
     )
 
@@ -993,10 +995,11 @@ def test_nested_shard_maps_over_different_axes(axis_type):
     f = jax.shard_map(outer, mesh=mesh, in_specs=P("x"), out_specs=P("x"), axis_names={"x"})
     a = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("x")))
     np.testing.assert_array_equal(jax.jit(checked(f))(a)[0], jax.jit(f)(a))
-    # Shard (x=1, y=0) holds rows 2, 3 and columns 0, 1: values 8, 9 then 12, 13;
-    # (x=1, y=1) fails earlier, in its iteration 0, but comes later in mesh order.
+    # Shard (x=1, y=0) holds rows 2, 3 and columns 0, 1: values 8, 9 then 12, 13,
+    # failing in its iteration 1; (x=1, y=1) fails earlier, in its iteration 0: the
+    # earliest iteration comes first, before mesh order.
     error = jax.jit(checked(f))(a)[1]
-    assert (error.message, error.shard) == ("row max 13.0 at 1", {"x": 1, "y": 0})
+    assert (error.message, error.shard) == ("row max 11.0 at 0", {"x": 1, "y": 1})
 
 
 def test_the_shards_failures_are_combined_in_one_collective(mesh42):
@@ -1126,3 +1129,87 @@ def test_policy_for_a_library_primitive_hiding_a_check():
     assert out == -2.0 and error.message == "outside -1.0"
     with pytest.raises(TypeError, match="InterpreterPolicy"):
         checked(f, policy="ignore")
+
+
+def test_an_earlier_check_on_a_later_shard_comes_first(mesh42):
+    """Program order before mesh order: shard 5 fails the first check, shard 2 the
+    second; shard 5's failure is the first."""
+
+    def body(block):
+        index = lax.axis_index("x") * 2 + lax.axis_index("y")
+        check(index != 5, "first check on shard {}", index)  # first of two
+        check(index != 2, "second check on shard {}", index)
+        return block
+
+    f = jax.shard_map(body, mesh=mesh42, in_specs=P("x", "y"), out_specs=P("x", "y"))
+    _, error = jax.jit(checked(f))(jnp.zeros((8, 4)))
+    assert (error.message, error.shard, error.source) == (
+        "first check on shard 5",
+        {"x": 2, "y": 1},
+        at("first of two"),
+    )
+    assert error.iteration == () and error.primitive == "check"
+
+
+def test_a_jitted_checked_function_exports_serializes_and_runs():
+    def f(xs):
+        def step(carry, x):
+            check(x < 3, "x={x} at {where}", x=x, where="step")  # exported
+            return carry + x, None
+
+        return lax.scan(step, 0.0, xs)[0]
+
+    xs = jnp.arange(5.0)
+    exported = jax.export.export(jax.jit(checked(f, errors=user_checks | div_checks)))(xs)
+    restored = jax.export.deserialize(exported.serialize())
+    out, error = restored.call(xs)
+    expected_out, expected = jax.jit(checked(f, errors=user_checks | div_checks))(xs)
+    assert out == expected_out == f(xs)
+    assert error.get() == expected.get() == f"x=3.0 at step at iteration 3 ({at('exported')})"
+    out, error = jax.jit(restored.call)(jnp.zeros(5))
+    assert error.get() is None and out == 0.0
+
+
+def test_automatic_messages_inside_shard_map_say_the_index_is_the_shards(mesh42):
+    def body(numerator, divisor):
+        return numerator // divisor, numerator[divisor[0, 0] + 1]
+
+    f = jax.shard_map(
+        body,
+        mesh=mesh42,
+        in_specs=(P("x", "y"), P("x", "y")),
+        out_specs=(P("x", "y"), P(("x", "y"))),
+    )
+    numerator = jnp.arange(32).reshape(8, 4)
+    divisor = jnp.ones((8, 4), jnp.int32).at[5, 2].set(0)
+    _, error = jax.jit(checked(f, errors=div_checks))(numerator, divisor)
+    # Global element (5, 2) is element (1, 0) of shard x=2, y=1's (2, 2) block.
+    assert (
+        error.message == "division by zero in 'div' (divisor element [1 0] of this shard's block)"
+    )
+    assert error.shard == {"x": 2, "y": 1} and error.primitive == "div"
+    _, error = jax.jit(checked(f, errors=index_checks))(numerator, divisor + 1)
+    assert error.message.startswith(
+        "out-of-bounds index 3 on axis 0 of an operand of shape (2, 2) of this shard's block"
+    )
+    # Outside shard_map the message says nothing of shards.
+    _, error = checked(lambda a, b: a // b, errors=div_checks)(numerator, divisor)
+    assert error.message == "division by zero in 'div' (divisor element [5 2])"
+
+
+def not_an_array(x):  # returns a string
+    return "not an array"
+
+
+def test_a_jitted_checked_function_with_a_bad_output_names_the_users_file():
+    with pytest.raises(TypeError) as plain:
+        jax.jit(not_an_array)(1.0)
+    with pytest.raises(TypeError) as wrapped:
+        jax.jit(checked(not_an_array))(1.0)
+    where = f"function not_an_array at {__file__}:{_SOURCE.index('def not_an_array(x):  # returns a string') + 1}"
+    assert str(plain.value).startswith(where)
+    assert str(wrapped.value).startswith(where)
+    assert "traceback_util" not in str(wrapped.value)
+    # The wrapper still looks like the function, with its signature.
+    assert checked(not_an_array).__name__ == "not_an_array"
+    assert str(inspect.signature(checked(not_an_array))) == "(x)"

@@ -307,3 +307,15 @@ def test_links_to_a_section_find_its_heading():
         assert anchor in _heading_anchors(page.parent / target), (
             f"{page_id(page)} links {target}#{anchor}"
         )
+
+
+def test_define_effect_tutorial_builds_a_short_checkify_class_effect_from_public_names():
+    """docs/concepts/define-effect.md: its effect is at most 50 lines of code, uses
+    only public kups names, links the cookbook's gradient tap, and (run by
+    test_page_examples_run) reports what kups.checks reports."""
+    text = (ROOT / "docs" / "concepts" / "define-effect.md").read_text(encoding="utf-8")
+    (effect,) = [b for b in blocks_of(text) if b.kind == "python" and "def my_checked" in b.code]
+    code_lines = [line for line in effect.code.splitlines() if line.strip()]
+    assert len(code_lines) <= 50, len(code_lines)
+    assert not re.search(r"kups[.\w]*\._|import _|\._compat", effect.code)
+    assert "../cookbook.md#a-gradient-tap" in text

@@ -42,14 +42,28 @@ from .handlers import default_scan_handler as default_scan_handler
 from .handlers import default_shard_map_handler as default_shard_map_handler
 from .handlers import default_while_handler as default_while_handler
 from .handlers import while_with_predicate as while_with_predicate
+from .toolkit import Event as Event
+from .toolkit import Position as Position
+from .toolkit import Report as Report
+from .toolkit import ShardLevel as ShardLevel
+from .toolkit import event_order as event_order
+from .toolkit import first_across_shards as first_across_shards
+from .toolkit import first_index as first_index
+from .toolkit import hide_frames as hide_frames
+from .toolkit import source_of as source_of
+from .toolkit import track_position as track_position
 
 __all__ = [
     "Dispatcher",
+    "Event",
     "Handler",
     "HandlerResult",
     "Interpreter",
     "InterpreterPolicy",
+    "Position",
+    "Report",
     "ScanSemantics",
+    "ShardLevel",
     "StaleTraceWarning",
     "Uninitialized",
     "check_policy",
@@ -69,14 +83,20 @@ __all__ = [
     "default_shard_map_handler",
     "default_while_handler",
     "define_effect",
+    "event_order",
+    "first_across_shards",
+    "first_index",
+    "hide_frames",
     "is_library_primitive",
     "reinterpret",
     "shard_map_axes",
     "skip_when_untouched",
     "source_line",
     "source_location",
+    "source_of",
     "sub_jaxprs",
     "to_current_mesh",
+    "track_position",
     "varying_axes",
     "while_with_predicate",
     "wraps_with_leading",

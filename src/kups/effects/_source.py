@@ -62,7 +62,7 @@ def is_installed_library(file_name: str) -> bool:
     return any(part in file_name for part in _INSTALLED)
 
 
-def _user_frames(eqn: JaxprEqn) -> list[Any]:
+def user_frames(eqn: JaxprEqn) -> list[Any]:
     return [
         frame
         for frame in _compat.user_frames(eqn.source_info.traceback)
@@ -80,7 +80,7 @@ def source_line(eqn: JaxprEqn) -> str:
     line is in an installed library (an equinox primitive, a diffrax solver), the
     line of the user's own code that called into it follows: `lib.py:LINE (fn),
     called from user.py:LINE (fn)`."""
-    frames = _user_frames(eqn)
+    frames = user_frames(eqn)
     if not frames:
         return "unknown"
     shown = _show_frame(frames[0])
@@ -93,7 +93,7 @@ def source_line(eqn: JaxprEqn) -> str:
 
 def user_frame(eqn: JaxprEqn) -> tuple[str, int] | None:
     """`(file, line)` of the user's code that produced `eqn`, if known."""
-    frames = _user_frames(eqn)
+    frames = user_frames(eqn)
     return (frames[0].file_name, frames[0].start_line) if frames else None
 
 
