@@ -12,13 +12,13 @@ from kups.effects import (
     wraps_with_leading,
 )
 
-from ._constants import _FramingInterpreter
-from ._first import _dispatcher, _initial_state
+from ._first import _FirstRecorder
 from ._report import NanReport
 from ._sites import _Sites
 from ._taint_control import _reaching_report, _taint_dispatcher
 from ._taint_interpreter import _TaintInterpreter
 from ._taint_origin import _initial_taint
+from ._walk import _check_kinds, _walk
 
 _REPORTS = ("reaching", "first")
 
@@ -27,6 +27,7 @@ def find_nans(
     fn: Callable[..., Any],
     *,
     report: str = "reaching",
+    kinds: tuple[str, ...] = ("nan", "inf"),
     policy: InterpreterPolicy = InterpreterPolicy.RAISE,
 ) -> Callable[..., tuple[Any, NanReport]]:
     """Wraps `fn` so that it also reports where a NaN or an Inf was made, and the
@@ -59,6 +60,9 @@ def find_nans(
     - `fn`: the function to check. Its arguments are pytrees; leaves that are not
       arrays are static.
     - `report`: `"reaching"` or `"first"`, as above.
+    - `kinds`: what to watch: `("nan", "inf")` (the default), `("nan",)` for NaNs
+      only (an Inf is then followed until it becomes a NaN, as in `inf - inf`),
+      or `("inf",)`.
     - `policy`: what to do with a control-flow primitive kups has no handler for
       (a library's own, holding a jaxpr): `InterpreterPolicy.RAISE` (the
       default) raises, `WARN` warns and runs it unwatched, `IGNORE` runs it
@@ -109,21 +113,19 @@ def find_nans(
             f"equation whose output holds one, even if it is discarded later."
         )
 
+    kinds = _check_kinds(kinds, "find_nans")
     check_policy(policy, "find_nans(fn, policy=...)")
 
     @wraps_with_leading(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, NanReport]:
-        sites = _Sites()
         if report == "first":
-            interpreter = _FramingInterpreter(_dispatcher(sites), policy=policy, label="find_nans")
-            interpreter.policy_hint = "find_nans(fn, policy=...)"
-            out, state = reinterpret(fn, interpreter)(_initial_state(), *args, **kwargs)
-            found = NanReport(
-                state.site, state.nan, state.shard, state.iterations, tuple(sites.sites)
+            walked = _walk(fn, _FirstRecorder(), kinds, policy, "find_nans")
+            out, record, sites = walked(*args, **kwargs)
+            return out, NanReport(
+                record.site, record.nan, record.shard, record.iterations, tuple(sites.sites)
             )
-            return out, found
+        sites = _Sites(kinds)
         taint = _TaintInterpreter(_taint_dispatcher(sites), sites, policy)
-        taint.policy_hint = "find_nans(fn, policy=...)"
         out, final = reinterpret(fn, taint)(_initial_taint(), *args, **kwargs)
         return out, _reaching_report(final, sites)
 

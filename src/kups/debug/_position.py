@@ -10,15 +10,14 @@ one axis at a time.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
+from jax.extend.core import Jaxpr, JaxprEqn
 
-from kups.effects import (
-    contains_subjaxprs,
-)
+from kups.effects import sub_jaxprs
 
 # A shard key larger than any shard's linear index: "no NaN on this shard".
 _NO_SHARD = 2**31 - 1
@@ -30,17 +29,12 @@ _LOOPS = frozenset({"scan", "while"})
 _LOOP_DEPTH: weakref.WeakKeyDictionary[Jaxpr, int] = weakref.WeakKeyDictionary()
 
 
-def _subjaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:
-    for sub in jaxprs_in_params(eqn.params):
-        yield sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
-
-
 def _eqn_loop_depth(eqn: JaxprEqn) -> int:
     """How deep loops nest in `eqn`, itself included."""
-    if not contains_subjaxprs(None, eqn, []):
+    subs = sub_jaxprs(eqn)
+    if not subs:
         return 0
-    inner = max((_loop_depth(sub) for sub in _subjaxprs(eqn)), default=0)
-    return inner + (eqn.primitive.name in _LOOPS)
+    return max(_loop_depth(sub) for sub in subs) + (eqn.primitive.name in _LOOPS)
 
 
 def _loop_depth(jaxpr: Jaxpr) -> int:
@@ -91,3 +85,42 @@ def _spec_names(spec: Any) -> set[Any]:
             continue
         names.update(entry if isinstance(entry, tuple) else (entry,))
     return names
+
+
+def _shard_coordinates(
+    index: int, manual_axes: tuple[tuple[Any, int], ...], mesh_axes: tuple[tuple[Any, int], ...]
+) -> dict[Any, int]:
+    """`{axis: coordinate}` over `manual_axes` of the shard of row-major `index` in
+    the mesh of `mesh_axes`."""
+    coordinates: dict[Any, int] = {}
+    for name, size in reversed(mesh_axes):
+        index, coordinates[name] = divmod(index, size)
+    return {name: coordinates[name] for name, _ in manual_axes}
+
+
+def _loop_start(eqn: JaxprEqn) -> tuple[int, int]:
+    """The first value of a loop's iteration counter and its step: a reversed scan
+    counts down from `length - 1`, so that iteration `i` is the one of `xs[i]`."""
+    if eqn.primitive.name == "scan" and eqn.params.get("reverse", False):
+        return int(eqn.params["length"]) - 1, -1
+    return 0, 1
+
+
+def _first_shard(found: Any, keys: list[Any], own: Any, manual: tuple[Any, ...]) -> Any:
+    """Where this shard holds the first event over the `manual` axes: among shards
+    with `found`, the smallest `keys` (compared in order, elementwise), then the
+    first shard in mesh order (`own` is the shard's index in the mesh). True on
+    exactly one shard for each element that any shard found."""
+    # `where` on the shard index makes the values varying, as the collectives need.
+    chosen = found & (own >= 0)
+    for key in (*keys, own):
+        value = jnp.where(chosen, key, _NO_SHARD)
+        chosen = chosen & (value == _all_axes(jax.lax.pmin, value, manual))
+    return chosen
+
+
+def _pick(chosen: Any, value: Any, manual: tuple[Any, ...]) -> Any:
+    """`value` of the shard where `chosen` (elementwise over `chosen`'s shape,
+    leading axes of `value`), on every shard; 0 where no shard is chosen."""
+    mask = chosen.reshape(chosen.shape + (1,) * (value.ndim - chosen.ndim))
+    return _all_axes(jax.lax.psum, jnp.where(mask, value, jnp.zeros_like(value)), manual)

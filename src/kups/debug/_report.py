@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import html
+import json
 import os
 from typing import Any
 
@@ -10,6 +12,7 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
+from ._position import _shard_coordinates
 from ._sites import _Site
 
 
@@ -36,25 +39,32 @@ class NanReport:
     - `path`: the full path of the file of `source`, or `None`.
     - `kind`: `"nan"` or `"inf"`: what that equation made (`"nan"` if its
       outputs hold both), even if it became a NaN later (`inf - inf`); or `None`.
-    - `iterations`: the iteration (0-based, in execution order, also for
-      `reverse=True`) of each `scan`, `fori_loop` or `while_loop` around it,
-      outermost first; `()` outside loops. An equation of a `while_loop`'s
-      condition reports the iteration that it follows (its first evaluation,
-      before any iteration, reports 0 too).
-    - `iteration`: the innermost of `iterations`, or `None`.
+    - `iteration`: the iteration (0-based) of each `scan`, `fori_loop` or
+      `while_loop` around it, outermost first: `()` outside loops, `None` if
+      nothing was found. For a `scan` with `reverse=True` it is the index into
+      `xs` (entry `i` belongs to `xs[i]`, as the scan's own outputs), not the
+      count of steps run. An equation of a `while_loop`'s condition reports the
+      iteration that it follows (its first evaluation, before any iteration,
+      reports 0 too). The same convention as `kups.checks.Error.iteration`.
     - `shard`: `{axis: coordinate}` over the manual mesh axes of the
-      `shard_map`s around it: the shard that made it (among shards that made
-      theirs at the same point, counted in equations run, the first in mesh
-      order; a NaN that a collective spreads is reported on the shard that made
-      it); `None` outside `shard_map`.
+      `shard_map`s around it: the shard that made it; `None` outside
+      `shard_map`. A NaN that a collective spreads is reported on the shard
+      that made it.
+
+    When several events qualify, the first is the one of the earliest loop
+    iterations (compared outermost first), then the earliest in program order,
+    then the first shard in mesh order.
 
     Values computed from constants alone (literals, closed-over arrays, and what
     is computed from them, such as the NaN `jnp.var` builds for an empty reduction
     and selects away) are not checked: such a NaN belongs to the program, and the
     first equation that combines it with data is reported instead.
 
-    Under `jax.vmap` every property has a batch axis; read one element with
-    `jax.tree.map(lambda leaf: leaf[i], report)`.
+    Under `jax.vmap` the report's arrays have a batch axis; it reads as its
+    first event (the lowest batch index that found one). Read element `i`
+    with `jax.tree.map(lambda leaf: leaf[i], report)`.
+
+    A `NanReport` can cross `jax.export`: it is registered for serialization.
 
     **Example:**
 
@@ -69,8 +79,8 @@ class NanReport:
 
 
     _, report = jax.jit(find_nans(f))(jnp.array([4.0, 1.0, -1.0, 9.0]))
-    assert (report.primitive, report.kind, report.iteration) == ("sqrt", "nan", 2)
-    print(report)  # NanReport(found=True, kind=nan, primitive=sqrt, source=..., iteration=2)
+    assert (report.primitive, report.kind, report.iteration) == ("sqrt", "nan", (2,))
+    print(report)  # NanReport(found=True, kind=nan, primitive=sqrt, source=..., iteration=(2,))
     ```
     """
 
@@ -83,36 +93,41 @@ class NanReport:
         self._iterations = iterations
         self._sites = sites
 
-    def _concrete_site(self, what: str) -> _Site | None:
+    def _one(self, what: str) -> NanReport:
+        """This report, or for a batched one (as `jax.vmap` returns it) its first
+        event: the lowest batch index that found one."""
         if isinstance(self._site, Tracer):
             raise TypeError(
                 f"NanReport.{what} needs concrete values, but this report holds traced "
                 f"ones (it is used inside jax.jit or another transformation). Return the "
                 f"report from the jitted function and read {what} outside."
             )
-        if np.ndim(self._site) != 0:
-            raise TypeError(
-                f"NanReport.{what} is for one report, but this one is batched (shape "
-                f"{np.shape(self._site)}, as jax.vmap returns it). Read element i with "
-                f"jax.tree.map(lambda leaf: leaf[i], report).{what}."
-            )
-        index = int(self._site)
-        return self._sites[index] if index >= 0 else None
+        if np.ndim(self._site) == 0:
+            return self
+        batch = np.shape(self._site)
+        found = np.flatnonzero(np.asarray(self._site).reshape(-1) >= 0)
+        index = np.unravel_index(int(found[0]) if found.size else 0, batch)
+        return jax.tree.map(lambda leaf: np.asarray(leaf)[index], self)
+
+    def _concrete_site(self, what: str) -> tuple[NanReport, _Site | None]:
+        one = self._one(what)
+        index = int(one._site)
+        return one, (self._sites[index] if index >= 0 else None)
 
     @property
     def found(self) -> Any:
-        if isinstance(self._site, Tracer) or np.ndim(self._site) != 0:
+        if isinstance(self._site, Tracer):
             return self._site >= 0
-        return int(self._site) >= 0
+        return bool((np.asarray(self._site) >= 0).any())
 
     @property
     def primitive(self) -> str | None:
-        site = self._concrete_site("primitive")
+        _, site = self._concrete_site("primitive")
         return site.primitive if site is not None else None
 
     @property
     def source(self) -> str | None:
-        site = self._concrete_site("source")
+        _, site = self._concrete_site("source")
         if site is None or site.file is None:
             return None
         return f"{os.path.basename(site.file)}:{site.line}"
@@ -120,38 +135,29 @@ class NanReport:
     @property
     def path(self) -> str | None:
         """The full path of the file of `source`, or `None`."""
-        site = self._concrete_site("path")
+        _, site = self._concrete_site("path")
         return site.file if site is not None else None
 
     @property
     def kind(self) -> str | None:
-        site = self._concrete_site("kind")
+        one, site = self._concrete_site("kind")
         if site is None:
             return None
-        return "nan" if bool(self._nan) else "inf"
+        return "nan" if bool(one._nan) else "inf"
 
     @property
-    def iterations(self) -> tuple[int, ...]:
-        site = self._concrete_site("iterations")
+    def iteration(self) -> tuple[int, ...] | None:
+        one, site = self._concrete_site("iteration")
         if site is None:
-            return ()
-        return tuple(int(i) for i in self._iterations[: site.loop_depth])
-
-    @property
-    def iteration(self) -> int | None:
-        iterations = self.iterations
-        return iterations[-1] if iterations else None
+            return None
+        return tuple(int(i) for i in np.asarray(one._iterations)[: site.loop_depth])
 
     @property
     def shard(self) -> dict[Any, int] | None:
-        site = self._concrete_site("shard")
+        one, site = self._concrete_site("shard")
         if site is None or not site.manual_axes:
             return None
-        index = int(self._shard)
-        coordinates: dict[Any, int] = {}
-        for name, size in reversed(site.mesh_axes):
-            index, coordinates[name] = divmod(index, size)
-        return {name: coordinates[name] for name, _ in site.manual_axes}
+        return _shard_coordinates(int(one._shard), site.manual_axes, site.mesh_axes)
 
     def _fields(self) -> list[tuple[str, str]]:
         if not self.found:
@@ -162,11 +168,8 @@ class NanReport:
             ("primitive", str(self.primitive)),
             ("source", str(self.source)),
         ]
-        if self.iterations:
-            iterations = self.iterations
-            fields.append(
-                ("iteration", str(iterations[0]) if len(iterations) == 1 else str(iterations))
-            )
+        if self.iteration:
+            fields.append(("iteration", str(self.iteration)))
         shard = self.shard
         if shard is not None:
             fields.append(("shard", ", ".join(f"{name}={i}" for name, i in shard.items())))
@@ -176,8 +179,6 @@ class NanReport:
         """What this report holds when it cannot be read: traced or batched values."""
         if isinstance(self._site, Tracer):
             return "<traced>"
-        if np.ndim(self._site) != 0:
-            return f"<batched, shape {np.shape(self._site)}>"
         return None
 
     def __repr__(self) -> str:
@@ -207,3 +208,25 @@ def _unflatten_report(sites: tuple[_Site, ...], children: Any) -> NanReport:
 
 
 jax.tree_util.register_pytree_node(NanReport, _flatten_report, _unflatten_report)
+
+
+def _serialize_sites(sites: tuple[_Site, ...]) -> bytes:
+    return json.dumps([dataclasses.astuple(site) for site in sites]).encode()
+
+
+def _deserialize_sites(data: bytes) -> tuple[_Site, ...]:
+    def axes(pairs: list[list[Any]]) -> tuple[tuple[Any, int], ...]:
+        return tuple((name, size) for name, size in pairs)
+
+    return tuple(
+        _Site(primitive, file, line, depth, axes(manual), axes(mesh))
+        for primitive, file, line, depth, manual, mesh in json.loads(data)
+    )
+
+
+jax.export.register_pytree_node_serialization(
+    NanReport,
+    serialized_name="kups.debug.NanReport",
+    serialize_auxdata=_serialize_sites,
+    deserialize_auxdata=_deserialize_sites,
+)

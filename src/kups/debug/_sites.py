@@ -61,8 +61,10 @@ class _Frame:
 class _Sites:
     """The equations checked during one trace, by index."""
 
-    def __init__(self) -> None:
+    def __init__(self, kinds: tuple[str, ...] = ("nan", "inf")) -> None:
         self.sites: list[_Site] = []
+        # What is watched: NaNs, Infs or both.
+        self.kinds = kinds
         # The source of the control-flow equations being interpreted, innermost
         # last: the fallback for an equation with no user frame of its own (JAX
         # keeps none for `lax.cond(p, jnp.log, ...)`, whose branch is jnp's code).

@@ -27,7 +27,7 @@ from kups.effects import (
     shard_map_axes,
 )
 
-from ._position import _all_axes, _shard_indices, _spec_names
+from ._position import _all_axes, _loop_start, _shard_indices, _spec_names
 from ._report import NanReport
 from ._sites import _located, _Sites
 from ._taint_origin import (
@@ -91,11 +91,11 @@ def _scan_layout(eqn: JaxprEqn) -> tuple[int, int]:
     return num_unstacked - num_carry, num_carry
 
 
-def _advance(slot: int, carried: _Taint, new: _Taint) -> _Taint:
-    """The loop updater: the loop's iteration counter in `pos` advances."""
+def _advance(slot: int, by: int, carried: _Taint, new: _Taint) -> _Taint:
+    """The loop updater: the loop's iteration counter in `pos` moves by `by`."""
     del carried
     step = np.zeros(new.pos.shape, np.int32)
-    step[slot] = 1
+    step[slot] = by
     return new._replace(pos=new.pos + step)
 
 
@@ -146,15 +146,16 @@ def _taint_loop(
         io = _IO("while", (len(consts), len(carry)), (*consts, *carry))
     depth = state.scope.loop_depth
     slot = 2 + depth
+    start, by = _loop_start(eqn)
     step = np.zeros(state.pos.shape, np.int32)
-    step[slot] = 1
+    step[slot] = start + 1  # from -1, outside the loop
     inner = state._replace(
         io=io,
         pos=state.pos + step,
         scope=dataclasses.replace(state.scope, loop_depth=depth + 1),
     )
     result = loop_handler(
-        interpreter, inner, eqn, invals, updater=functools.partial(_advance, slot)
+        interpreter, inner, eqn, invals, updater=functools.partial(_advance, slot, by)
     )
     io = result.ctx.io
     if isinstance(io, _IO) and io.role in ("scan", "while"):

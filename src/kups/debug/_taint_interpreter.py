@@ -44,7 +44,9 @@ class _TaintInterpreter(Interpreter):
         sites: _Sites,
         policy: InterpreterPolicy = InterpreterPolicy.RAISE,
     ) -> None:
-        super().__init__(dispatcher, policy=policy, label="find_nans")
+        super().__init__(
+            dispatcher, policy=policy, label="find_nans", policy_hint="find_nans(fn, policy=...)"
+        )
         self.sites = sites
         self.frames: list[dict[Any, Any]] = []
         # Per frame: the equations run in it since `tick` was last advanced.
@@ -88,7 +90,7 @@ class _TaintInterpreter(Interpreter):
                 _typed_for_a_mesh(v.aval) for v in (*jaxpr.invars, *jaxpr.outvars)
             )
         io = ctx.io
-        origins, ctx = _enter(io, ctx, jaxpr, args)
+        origins, ctx = _enter(io, ctx, jaxpr, args, self.sites.kinds)
         frame: dict[Any, Any] = dict.fromkeys(jaxpr.constvars)
         frame.update(zip(jaxpr.invars, origins, strict=True))
         self.frames.append(frame)
@@ -111,7 +113,9 @@ def _typed_for_a_mesh(aval: Any) -> bool:
     return mesh is not None and not mesh.empty
 
 
-def _enter(io: _IO, state: _Taint, jaxpr: Jaxpr, args: Any) -> tuple[list[Any], _Taint]:
+def _enter(
+    io: _IO, state: _Taint, jaxpr: Jaxpr, args: Any, kinds: tuple[str, ...]
+) -> tuple[list[Any], _Taint]:
     """The origins of `jaxpr`'s inputs, from the handler's `io`."""
     avals = [v.aval for v in jaxpr.invars]
     if io.role == "top":
@@ -120,7 +124,10 @@ def _enter(io: _IO, state: _Taint, jaxpr: Jaxpr, args: Any) -> tuple[list[Any], 
         return [_float_origin(a, _EXTERNAL) for a in avals], state
     if io.role == "scan":
         consts, carry, xs, _ = io.groups()
-        xs = [_validated(o, x) for o, x in zip(xs, args[len(consts) + len(carry) :], strict=True)]
+        xs = [
+            _validated(o, x, kinds)
+            for o, x in zip(xs, args[len(consts) + len(carry) :], strict=True)
+        ]
         return [*consts, *carry, *xs], state
     if io.role == "while":
         consts, carry = io.groups()
@@ -130,7 +137,8 @@ def _enter(io: _IO, state: _Taint, jaxpr: Jaxpr, args: Any) -> tuple[list[Any], 
         here = state.here.reshape((1,))
         state = state._replace(pos=jax.lax.dynamic_update_slice(state.pos, here, (1,)))
         return [
-            _validated(o, x) if s else o for o, s, x in zip(origins, split, args, strict=True)
+            _validated(o, x, kinds) if s else o
+            for o, s, x in zip(origins, split, args, strict=True)
         ], state
     origins = list(io.origins)
     if len(origins) != len(avals):

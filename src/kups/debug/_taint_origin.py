@@ -141,20 +141,31 @@ def _all_reduce(op: Callable[..., Any], value: Any) -> Any:
     return op(value, tuple(range(value.ndim)))
 
 
-def _finite(value: Any) -> Any:
-    """Whether every element of `value` is finite (a traced scalar)."""
+def _finite(value: Any, kinds: tuple[str, ...] = ("nan", "inf")) -> Any:
+    """Whether no element of `value` is of `kinds` (a NaN, an Inf: with both, whether
+    every element is finite), a traced scalar."""
+    if tuple(kinds) == ("inf",):
+        return jax.lax.bitwise_not(_all_reduce(jax.lax.reduce_or, jnp.isinf(value)))
+    if tuple(kinds) == ("nan",):
+        return jax.lax.bitwise_not(_all_reduce(jax.lax.reduce_or, jnp.isnan(value)))
     if jnp.issubdtype(value.dtype, jnp.complexfloating):
         value = jnp.stack([jnp.real(value), jnp.imag(value)])
     return _all_reduce(jax.lax.reduce_and, jax.lax.is_finite(value))
 
 
-def _finite_and_nan(value: Any) -> tuple[Any, Any]:
-    """Whether every element of `value` is finite, and whether one is a NaN.
+def _finite_and_nan(value: Any, kinds: tuple[str, ...] = ("nan", "inf")) -> tuple[Any, Any]:
+    """Whether no element of `value` is of `kinds` (see `_finite`), and whether one
+    is a NaN.
 
     One pass: a reduction of both flags at once. (Not a `reduce_max` of the
     magnitudes: the maximum of a sharded array is combined across devices by an
     all-reduce that does not propagate NaNs on CPU, JAX 0.10.2.)
     """
+    if tuple(kinds) == ("inf",):
+        return _finite(value, kinds), np.bool_(False)
+    if tuple(kinds) == ("nan",):
+        fine = _finite(value, kinds)
+        return fine, jax.lax.bitwise_not(fine)
     if value.ndim == 0 or jnp.issubdtype(value.dtype, jnp.complexfloating):
         return _finite(value), _all_reduce(jax.lax.reduce_or, jax.lax.ne(value, value))
     finite, nan = jax.lax.reduce(
@@ -186,21 +197,26 @@ def _earliest(origins: list[_Origin]) -> _Origin:
     return first
 
 
-def _concrete_finite(value: Any) -> bool:
+def _concrete_finite(value: Any, kinds: tuple[str, ...] = ("nan", "inf")) -> bool:
     """Whether a constant is known (now, while tracing) to be finite."""
     if isinstance(value, Tracer) or not _is_float(value):
         return False
     array = np.asarray(value)
     # Large closed-over arrays are not copied to the host to find out.
-    return array.size <= 4096 and bool(np.isfinite(array).all())
+    if array.size > 4096:
+        return False
+    bad = {"nan": np.isnan, "inf": np.isinf}
+    return not any(bool(bad[kind](array).any()) for kind in kinds)
 
 
-def _validated(origin: Any, value: Any) -> Any:
+def _validated(origin: Any, value: Any, kinds: tuple[str, ...]) -> Any:
     """The origin of a part (a scan's slice, a shard's block) of a value of
     `origin`: the part may be finite."""
     if not isinstance(origin, _Origin):
         return origin
-    return _Origin(jax.lax.select_n(_finite(value), origin.w, _FINE), origin.info, origin.external)
+    return _Origin(
+        jax.lax.select_n(_finite(value, kinds), origin.w, _FINE), origin.info, origin.external
+    )
 
 
 def _as_slot(origin: Any, aval: Any, length: int) -> Any:

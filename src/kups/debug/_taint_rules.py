@@ -151,13 +151,18 @@ def _scale(value: Any) -> float | None:
     return magnitude if np.isfinite(magnitude) else None
 
 
-def _class_of(eqn: JaxprEqn, invals: list[Any], outval: Any) -> str:
+def _class_of(eqn: JaxprEqn, invals: list[Any], outval: Any, kinds: tuple[str, ...]) -> str:
     name = eqn.primitive.name
     if any(_is_float_aval(v.aval) and 0 in _shape(v) for v in eqn.invars):
         return "create"  # a reduction of nothing: `max` of no elements is -inf
     complex_out = jnp.issubdtype(outval.dtype, jnp.complexfloating)
     if name in _TRANSPARENT and not complex_out:
-        return "transparent"
+        # sin(inf) and cos(inf) are NaN: watching NaNs (or Infs) alone, they make one.
+        both = "nan" in kinds and "inf" in kinds
+        return "transparent" if both or name not in ("sin", "cos") else "create"
+    if "inf" not in kinds or "nan" not in kinds:
+        # An unwatched Inf may become a NaN (inf * 0) anywhere else.
+        return "filter" if name in _FILTERS else "create"
     # A multiplication by a constant of at most 1 in magnitude (a learning rate),
     # or a division by one of at least 1 (a mean), cannot overflow; a NaN or Inf
     # stays one (inf * 0 is NaN).
@@ -231,17 +236,17 @@ def _propagate(
         unknown = any(
             origins[i] is _EXTERNAL
             or (isinstance(origins[i], _Origin) and origins[i].external)
-            or (origins[i] is None and not _concrete_finite(invals[i]))
+            or (origins[i] is None and not _concrete_finite(invals[i], sites.kinds))
             for i in inputs
         )
-        kind = "create" if collective else _class_of(eqn, invals, outval)
+        kind = "create" if collective else _class_of(eqn, invals, outval, sites.kinds)
         if kind != "create" and not unknown:
             if not traced:
                 out_origins.append(_FINITE)
                 continue
             inherited = _earliest(traced)
             if kind == "filter":
-                w = jax.lax.select_n(_finite(outval), inherited.w, _FINE)
+                w = jax.lax.select_n(_finite(outval, sites.kinds), inherited.w, _FINE)
                 inherited = _Origin(w, inherited.info, False)
             out_origins.append(inherited)
             continue
@@ -254,7 +259,7 @@ def _propagate(
             if key not in across:
                 across[key] = _across_shards(state, inherited, eqn.params)
             inherited = across[key]
-        fine, has_nan = _finite_and_nan(outval)
+        fine, has_nan = _finite_and_nan(outval, sites.kinds)
         info = _new_info(site, state.pos, has_nan)
         if now is None:
             now = _plus(state.tick, pending)
