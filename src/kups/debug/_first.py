@@ -34,6 +34,8 @@ class _First(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class _FirstRecorder:
+    made_only = False
+
     def start(self, jaxpr: Jaxpr, depth: int) -> _First:
         del jaxpr
         return _First(

@@ -101,3 +101,8 @@ def _located(sites: _Sites, handler: Handler) -> Handler:
             sites.enclosing.pop()
 
     return located
+
+
+def _is_float_aval(aval: Any) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)

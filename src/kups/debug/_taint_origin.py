@@ -24,7 +24,7 @@ from kups.effects import (
     to_current_mesh,
 )
 
-from ._sites import _is_float, _Scope
+from ._sites import _is_float, _is_float_aval, _Scope
 
 _FINE = np.int32(2**31 - 1)  # w of a finite value
 
@@ -124,11 +124,6 @@ def _initial_taint() -> _Taint:
         here=np.int32(0),
         scope=_Scope(),
     )
-
-
-def _is_float_aval(aval: Any) -> bool:
-    dtype = getattr(aval, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
 
 def _float_origin(aval: Any, origin: Any) -> Any:

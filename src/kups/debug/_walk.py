@@ -37,7 +37,14 @@ from kups.effects import (
     shard_map_axes,
 )
 
-from ._constants import _CALLS, _FramingInterpreter, _in_frame, _is_constant
+from ._constants import (
+    _CALLS,
+    _constant_equations,
+    _FramingInterpreter,
+    _in_frame,
+    _is_constant,
+    _is_literal,
+)
 from ._position import _loop_depth, _loop_start, _shard_indices
 from ._sites import _is_float, _located, _Scope, _Sites
 
@@ -56,7 +63,13 @@ def _check_kinds(kinds: Any, entry: str) -> tuple[str, ...]:
 
 
 class _Recorder(Protocol):
-    """What a report keeps of the checks (`record` is a pytree of arrays)."""
+    """What a report keeps of the checks (`record` is a pytree of arrays).
+
+    `made_only`: whether a check reports only what the equation made itself (not
+    a NaN/Inf that one of its inputs already held).
+    """
+
+    made_only: bool
 
     def start(self, jaxpr: Jaxpr, depth: int) -> Any:
         """The empty record of a program `jaxpr` whose loops nest `depth` deep."""
@@ -113,6 +126,9 @@ class _WalkInterpreter(_FramingInterpreter):
         )
         self.recorder = recorder
         self.depth = 0
+        # Per jaxpr being run: whether a variable held a watched NaN/Inf (a traced
+        # bool), for recorders that count only what an equation made itself.
+        self.held: list[dict[Any, Any]] = []
 
     def interpret_jaxpr(
         self, jaxpr: Jaxpr, consts: Any, ctx: Any, args: Any
@@ -120,7 +136,11 @@ class _WalkInterpreter(_FramingInterpreter):
         if isinstance(ctx, _State) and ctx.record is None:
             self.depth = _loop_depth(jaxpr)
             ctx = ctx._replace(record=self.recorder.start(jaxpr, self.depth))
-        return super().interpret_jaxpr(jaxpr, consts, ctx, args)
+        self.held.append({})
+        try:
+            return super().interpret_jaxpr(jaxpr, consts, ctx, args)
+        finally:
+            self.held.pop()
 
 
 def _or(a: Any, b: Any) -> Any:
@@ -171,11 +191,42 @@ def _check_equation(
     if not floats or _is_constant(state.scope.frame, eqn):
         return HandlerResult(state, outvals)
     site = sites.add(eqn, state)
+    flags = _flags(floats, kinds)
+    if interpreter.recorder.made_only:
+        flags = _made_here(interpreter, state, eqn, invals, flags, kinds)
     position = _position(state, interpreter.depth)
     record = interpreter.recorder.record(
-        state.record, site, _flags(floats, kinds), state.here.reshape(()), position
+        state.record, site, flags, state.here.reshape(()), position
     )
     return HandlerResult(state._replace(record=record), outvals)
+
+
+def _made_here(
+    interpreter: Any,
+    state: _State,
+    eqn: JaxprEqn,
+    invals: list[Any],
+    flags: dict[str, Any],
+    kinds: tuple[str, ...],
+) -> dict[str, Any]:
+    """`flags` of what `eqn` made itself: none where an input already held a
+    watched NaN/Inf (judged per array). A constant input does not count: the
+    equation that first combines a constant NaN with data made it."""
+    held = interpreter.held[-1]
+    held.update(dict.fromkeys(eqn.outvars, functools.reduce(_or, flags.values())))
+    frame = state.scope.frame
+    constants = _constant_equations(frame.jaxpr, frame.constant_inputs)[1] if frame else frozenset()
+    inherited = None
+    for var, value in zip(eqn.invars, invals, strict=True):
+        if _is_literal(var) or var in constants or not _is_float(value):
+            continue
+        if var not in held:
+            held[var] = functools.reduce(_or, _flags([value], kinds).values())
+        inherited = held[var] if inherited is None else _or(inherited, held[var])
+    if inherited is None:
+        return flags
+    fresh = jax.lax.bitwise_not(inherited)
+    return {kind: jax.lax.bitwise_and(flag, fresh) for kind, flag in flags.items()}
 
 
 def _next_iteration(step: int, carried: _State, new: _State) -> _State:
