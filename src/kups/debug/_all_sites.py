@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Jaxpr
 
 from kups.effects import sub_jaxprs
@@ -59,18 +60,23 @@ class _AllSitesRecorder:
         first = jnp.full((*record.shape[:-1], record.shape[-1] - 1), -1, jnp.int32)
         return jnp.concatenate([jnp.zeros((*record.shape[:-1], 1), jnp.int32), first], -1)
 
-    def record(
-        self, record: Any, site: int, flags: dict[str, Any], here: Any, position: Any
-    ) -> Any:
+    def record(self, record: Any, site: int, flags: dict[str, Any], stamp: Any) -> Any:
         if site >= record.shape[0]:
             return record  # counted by the walk; the caller walks again, larger
-        old = record[site]
-        made = jnp.stack([flags[kind] for kind in self.kinds])
-        count = old[:, 0] + made.astype(jnp.int32)
-        fresh = jnp.concatenate([jnp.stack([jnp.int32(1), here]), position])
-        new = jnp.where((made & (old[:, 0] == 0))[:, None], fresh[None, :], old)
-        new = jnp.concatenate([count[:, None], new[:, 1:]], axis=1)
-        return record.at[site].set(new)
+        _, kinds, columns = record.shape
+        old = jax.lax.slice(record, (site, 0, 0), (site + 1, kinds, columns))
+        count = jax.lax.slice(old, (0, 0, 0), (1, kinds, 1))
+        made = [jax.lax.reshape(flags[kind], (1, 1, 1)) for kind in self.kinds]
+        made = made[0] if kinds == 1 else jax.lax.concatenate(made, 1)
+        fresh = jax.lax.bitwise_and(made, jax.lax.eq(count, np.int32(0)))
+        first = jax.lax.select_n(
+            jax.lax.broadcast_in_dim(fresh, (1, kinds, columns - 1), (0, 1, 2)),
+            jax.lax.slice(old, (0, 0, 1), (1, kinds, columns)),
+            jax.lax.broadcast_in_dim(stamp, (1, kinds, columns - 1), (2,)),
+        )
+        count = jax.lax.add(count, jax.lax.convert_element_type(made, np.int32))
+        new = jax.lax.concatenate([count, first], 2)
+        return jax.lax.dynamic_update_slice(record, new, (site, 0, 0))
 
     def reduce(self, record: Any, own: Any, manual: tuple[Any, ...]) -> Any:
         found = record[..., 0] > 0

@@ -10,9 +10,12 @@ first shard in mesh order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Jaxpr
 
 from ._position import _first_shard, _pick
@@ -50,16 +53,19 @@ class _FirstRecorder:
             jnp.full(record.iterations.shape, -1, jnp.int32),
         )
 
-    def record(
-        self, record: _First, site: int, flags: dict[str, Any], here: Any, position: Any
-    ) -> _First:
-        bad = flags.get("nan", False) | flags.get("inf", False)
-        first = bad & (record.site < 0)
+    def record(self, record: _First, site: int, flags: dict[str, Any], stamp: Any) -> _First:
+        bad = functools.reduce(jax.lax.bitwise_or, flags.values())
+        first = jax.lax.bitwise_and(bad, jax.lax.lt(record.site, np.int32(0)))
+        nan = flags.get("nan", np.bool_(False))
+        here = jax.lax.squeeze(jax.lax.slice(stamp, (0,), (1,)), (0,))
+        iterations = jax.lax.slice(stamp, (1,), (stamp.shape[0],))
         return _First(
-            site=jnp.where(first, jnp.int32(site), record.site),
-            nan=jnp.where(first, flags.get("nan", False), record.nan),
-            shard=jnp.where(first, here, record.shard),
-            iterations=jnp.where(first, position, record.iterations),
+            site=jax.lax.select_n(first, record.site, np.int32(site)),
+            nan=jax.lax.select_n(first, record.nan, nan),
+            shard=jax.lax.select_n(first, record.shard, here),
+            iterations=jax.lax.select_n(
+                jax.lax.broadcast(first, iterations.shape), record.iterations, iterations
+            ),
         )
 
     def reduce(self, record: _First, own: Any, manual: tuple[Any, ...]) -> _First:

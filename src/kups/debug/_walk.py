@@ -79,10 +79,9 @@ class _Recorder(Protocol):
         """An empty record shaped like `record` (a `shard_map` body's start)."""
         ...
 
-    def record(
-        self, record: Any, site: int, flags: dict[str, Any], here: Any, position: Any
-    ) -> Any:
-        """`record` after a check of `site` found `flags` (kind to traced bool)."""
+    def record(self, record: Any, site: int, flags: dict[str, Any], stamp: Any) -> Any:
+        """`record` after a check of `site` found `flags` (kind to traced bool), at
+        `stamp`: `[shard, iteration of each loop...]` (see `_stamp`)."""
         ...
 
     def reduce(self, record: Any, own: Any, manual: tuple[Any, ...]) -> Any:
@@ -129,6 +128,8 @@ class _WalkInterpreter(_FramingInterpreter):
         # Per jaxpr being run: whether a variable held a watched NaN/Inf (a traced
         # bool), for recorders that count only what an equation made itself.
         self.held: list[dict[Any, Any]] = []
+        # `_stamp`'s cache: by the ids of the shard index and counters it was made of.
+        self.stamps: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
 
     def interpret_jaxpr(
         self, jaxpr: Jaxpr, consts: Any, ctx: Any, args: Any
@@ -147,33 +148,66 @@ def _or(a: Any, b: Any) -> Any:
     return jax.lax.bitwise_or(a, b)
 
 
-def _flags(values: list[Any], kinds: tuple[str, ...]) -> dict[str, Any]:
+def _flags(values: list[Any], kinds: tuple[str, ...], exact: bool = True) -> dict[str, Any]:
     """Whether any element of `values` is a NaN / an Inf, for each of `kinds`: one
-    reduction of all the flags at once per value."""
-    tests = {"nan": jnp.isnan, "inf": jnp.isinf}
+    reduction of all the flags at once per value. Not `exact`, the flag of "inf"
+    says whether any element is not finite (one operation less per element)."""
     found: dict[str, Any] = {}
     for value in values:
-        masks = tuple(tests[kind](value) for kind in kinds)
+        real = not jnp.issubdtype(value.dtype, jnp.complexfloating)
+        finite = not exact and real and "inf" in kinds
+        masks, inits, combine = [], [], []
+        for kind in kinds:
+            if kind == "inf" and finite:
+                masks.append(jax.lax.is_finite(value))
+                inits.append(np.bool_(True))
+                combine.append(jax.lax.bitwise_and)
+            else:
+                masks.append(_is_nan(value) if kind == "nan" else _is_inf(value))
+                inits.append(np.bool_(False))
+                combine.append(_or)
         if value.ndim == 0:
             flags = masks
         else:
             flags = jax.lax.reduce(
-                masks,
-                (np.bool_(False),) * len(kinds),
-                lambda a, b: tuple(map(_or, a, b)),
+                tuple(masks),
+                tuple(inits),
+                lambda a, b, combine=tuple(combine): tuple(
+                    op(x, y) for op, x, y in zip(combine, a, b, strict=True)
+                ),
                 tuple(range(value.ndim)),
             )
+        flags = list(flags)
+        if finite:
+            flags[kinds.index("inf")] = jax.lax.bitwise_not(flags[kinds.index("inf")])
         for kind, flag in zip(kinds, flags, strict=True):
             found[kind] = _or(found[kind], flag) if kind in found else flag
     return found
 
 
-def _position(state: _State, depth: int) -> Any:
-    """The current loop counters, padded with -1 to `depth` entries."""
-    if depth == 0:
-        return jnp.zeros((0,), jnp.int32)
-    padding = [jnp.int32(-1)] * (depth - len(state.counters))
-    return jnp.stack([jnp.asarray(c, jnp.int32) for c in (*state.counters, *padding)])
+def _is_nan(value: Any) -> Any:
+    return jax.lax.ne(value, value)
+
+
+def _is_inf(value: Any) -> Any:
+    magnitude = jax.lax.abs(value)
+    return jax.lax.eq(magnitude, np.array(np.inf, magnitude.dtype))
+
+
+def _stamp(interpreter: Any, state: _State) -> Any:
+    """`[shard, iteration of each loop...]` of the current equation, padded with -1
+    to the program's loop depth: computed once per shard index and loop counters
+    (they change only at loop and `shard_map` boundaries)."""
+    key = (state.here, *state.counters)
+    cached = interpreter.stamps.get(tuple(map(id, key)))
+    if cached is not None and all(a is b for a, b in zip(cached[0], key, strict=True)):
+        return cached[1]
+    padding = [np.int32(-1)] * (interpreter.depth - len(state.counters))
+    parts = [jax.lax.reshape(jnp.asarray(v, jnp.int32), (1,)) for v in key]
+    parts += [np.full((len(padding),), -1, np.int32)] if padding else []
+    stamp = jax.lax.concatenate(parts, 0)
+    interpreter.stamps[tuple(map(id, key))] = (key, stamp)
+    return stamp
 
 
 def _check_equation(
@@ -191,13 +225,10 @@ def _check_equation(
     if not floats or _is_constant(state.scope.frame, eqn):
         return HandlerResult(state, outvals)
     site = sites.add(eqn, state)
-    flags = _flags(floats, kinds)
+    flags = _flags(floats, kinds, exact=interpreter.recorder.made_only)
     if interpreter.recorder.made_only:
         flags = _made_here(interpreter, state, eqn, invals, flags, kinds)
-    position = _position(state, interpreter.depth)
-    record = interpreter.recorder.record(
-        state.record, site, flags, state.here.reshape(()), position
-    )
+    record = interpreter.recorder.record(state.record, site, flags, _stamp(interpreter, state))
     return HandlerResult(state._replace(record=record), outvals)
 
 
