@@ -627,7 +627,7 @@ def test_report_repr_and_html(mesh42):
     _, report = find_nans(f)(xs)
     assert repr(report) == (
         f"NanReport(found=True, kind=nan, primitive=log, source={line_of('log-for-repr')}, "
-        "iteration=(1,), shard=x=2, y=0)"
+        "iteration=1, shard=x=2, y=0)"
     )
     html = report._repr_html_()
     assert html.startswith("<table>")

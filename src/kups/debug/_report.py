@@ -80,7 +80,7 @@ class NanReport:
 
     _, report = jax.jit(find_nans(f))(jnp.array([4.0, 1.0, -1.0, 9.0]))
     assert (report.primitive, report.kind, report.iteration) == ("sqrt", "nan", (2,))
-    print(report)  # NanReport(found=True, kind=nan, primitive=sqrt, source=..., iteration=(2,))
+    print(report)  # NanReport(found=True, kind=nan, primitive=sqrt, source=..., iteration=2)
     ```
     """
 
@@ -168,8 +168,10 @@ class NanReport:
             ("primitive", str(self.primitive)),
             ("source", str(self.source)),
         ]
-        if self.iteration:
-            fields.append(("iteration", str(self.iteration)))
+        iteration = self.iteration
+        if iteration:
+            # One loop reads as its index; nested loops as the tuple.
+            fields.append(("iteration", str(iteration[0] if len(iteration) == 1 else iteration)))
         shard = self.shard
         if shard is not None:
             fields.append(("shard", ", ".join(f"{name}={i}" for name, i in shard.items())))
