@@ -429,7 +429,7 @@ def _nans(setup: _Setup, report: _Report) -> None:
         "found": True,
         "kind": "nan",
         "primitive": "div",
-        "iteration": options.nan_step,
+        "iteration": (options.nan_step,),
         "shard": {AXIS: options.nan_shard},
     }
     got = {key: getattr(found, key) for key in expected} if found.found else {"found": False}

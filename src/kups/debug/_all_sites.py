@@ -1,0 +1,92 @@
+"""The record of `nan_sites`: every site that made a NaN or an Inf, with counts.
+
+A recorder of the walk (`_walk.py`), like the one of `report="first"`: one table
+`(sites, kinds, 2 + loop depth)` of int32, a row per site and kind holding
+`[count, shard of the first event, iterations of the first event...]`. A check
+reads its site's rows and writes them back: one slice and one update. The number
+of rows is known before the walk, from the program: every equation that is not
+control flow and has a floating output, in every sub-program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Jaxpr
+
+from kups.effects import sub_jaxprs
+
+from ._position import _all_axes, _first_shard, _pick
+from ._sites import _is_float_aval
+
+_CAPACITY: weakref.WeakKeyDictionary[Jaxpr, int] = weakref.WeakKeyDictionary()
+
+
+def _capacity(jaxpr: Jaxpr) -> int:
+    """How many sites the walk of `jaxpr` can register at most."""
+    count = _CAPACITY.get(jaxpr)
+    if count is None:
+        count = 0
+        for eqn in jaxpr.eqns:
+            subs = sub_jaxprs(eqn)
+            if subs:
+                count += sum(_capacity(sub) for sub in subs)
+            elif any(_is_float_aval(v.aval) for v in eqn.outvars):
+                count += 1
+        _CAPACITY[jaxpr] = count
+    return count
+
+
+@dataclasses.dataclass(frozen=True)
+class _AllSitesRecorder:
+    """`kinds` are the watched kinds, in the order of the table's rows; the table
+    has at least `minimum` sites (for a program whose walk registered more sites
+    than it holds: a library primitive entered by tracing its implementation)."""
+
+    kinds: tuple[str, ...]
+    minimum: int = 0
+    made_only = True
+
+    def start(self, jaxpr: Jaxpr, depth: int) -> Any:
+        capacity = max(_capacity(jaxpr), self.minimum)
+        return self.empty(jnp.zeros((capacity, len(self.kinds), 2 + depth), jnp.int32))
+
+    def empty(self, record: Any) -> Any:
+        first = jnp.full((*record.shape[:-1], record.shape[-1] - 1), -1, jnp.int32)
+        return jnp.concatenate([jnp.zeros((*record.shape[:-1], 1), jnp.int32), first], -1)
+
+    def record(self, record: Any, site: int, flags: dict[str, Any], stamp: Any) -> Any:
+        if site >= record.shape[0]:
+            return record  # counted by the walk; the caller walks again, larger
+        _, kinds, columns = record.shape
+        old = jax.lax.slice(record, (site, 0, 0), (site + 1, kinds, columns))
+        count = jax.lax.slice(old, (0, 0, 0), (1, kinds, 1))
+        made = [jax.lax.reshape(flags[kind], (1, 1, 1)) for kind in self.kinds]
+        made = made[0] if kinds == 1 else jax.lax.concatenate(made, 1)
+        fresh = jax.lax.bitwise_and(made, jax.lax.eq(count, np.int32(0)))
+        first = jax.lax.select_n(
+            jax.lax.broadcast_in_dim(fresh, (1, kinds, columns - 1), (0, 1, 2)),
+            jax.lax.slice(old, (0, 0, 1), (1, kinds, columns)),
+            jax.lax.broadcast_in_dim(stamp, (1, kinds, columns - 1), (2,)),
+        )
+        count = jax.lax.add(count, jax.lax.convert_element_type(made, np.int32))
+        new = jax.lax.concatenate([count, first], 2)
+        return jax.lax.dynamic_update_slice(record, new, (site, 0, 0))
+
+    def reduce(self, record: Any, own: Any, manual: tuple[Any, ...]) -> Any:
+        found = record[..., 0] > 0
+        keys = [record[..., 2 + d] for d in range(record.shape[-1] - 2)]
+        chosen = _first_shard(found, keys, own, manual)
+        count = _all_axes(jax.lax.psum, jnp.where(own >= 0, record[..., 0], 0), manual)
+        first = jnp.where((count > 0)[..., None], _pick(chosen, record[..., 1:], manual), -1)
+        return jnp.concatenate([count[..., None], first], -1)
+
+    def merge(self, outer: Any, inner: Any) -> Any:
+        count = outer[..., 0] + inner[..., 0]
+        first = jnp.where((outer[..., 0] > 0)[..., None], outer[..., 1:], inner[..., 1:])
+        return jnp.concatenate([count[..., None], first], -1)

@@ -1,0 +1,121 @@
+"""Constants: a NaN computed from constants alone is part of the program (`jnp.var`
+keeps one for an empty reduction and selects it away), not a finding.
+
+Constants are tracked per jaxpr, and per call site into `jit` bodies: the
+"frame" of a call is its body and which of its inputs are constants there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+from jax.extend.core import Jaxpr, JaxprEqn, Literal, jaxprs_in_params
+
+from kups.effects import (
+    Handler,
+    HandlerResult,
+    Interpreter,
+    contains_subjaxprs,
+)
+
+from ._sites import _Frame, _Scope
+
+_CONSTANTS: weakref.WeakKeyDictionary[
+    Jaxpr, dict[tuple[bool, ...], tuple[frozenset[int], frozenset[Any]]]
+] = weakref.WeakKeyDictionary()
+
+
+def _constant_equations(
+    jaxpr: Jaxpr, constant_inputs: tuple[bool, ...]
+) -> tuple[frozenset[int], frozenset[Any]]:
+    """The equations of `jaxpr` (by `id`) whose inputs are all constants, and the
+    variables that hold constants, given which inputs are constants.
+
+    Constants are literals, the jaxpr's own constants, the given inputs, and the
+    outputs of equations with only constant inputs and no sub-program.
+    """
+    by_inputs = _CONSTANTS.setdefault(jaxpr, {})
+    if constant_inputs in by_inputs:
+        return by_inputs[constant_inputs]
+    constant = set(jaxpr.constvars)
+    constant.update(v for v, c in zip(jaxpr.invars, constant_inputs, strict=True) if c)
+    equations = set()
+    for eqn in jaxpr.eqns:
+        if contains_subjaxprs(None, eqn, []):
+            continue
+        if all(_is_literal(v) or v in constant for v in eqn.invars):
+            equations.add(id(eqn))
+            constant.update(eqn.outvars)
+    result = frozenset(equations), frozenset(constant)
+    by_inputs[constant_inputs] = result
+    return result
+
+
+def _is_literal(atom: Any) -> bool:
+    return isinstance(atom, Literal)
+
+
+def _is_constant(frame: _Frame | None, eqn: JaxprEqn) -> bool:
+    """Whether every input of `eqn` is a constant: a literal, or (inside a call
+    being interpreted) a constant of the call's body."""
+    if all(_is_literal(v) for v in eqn.invars):
+        return True
+    if frame is None:
+        return False
+    equations, _ = _constant_equations(frame.jaxpr, frame.constant_inputs)
+    return id(eqn) in equations
+
+
+def _call_body(eqn: JaxprEqn) -> Jaxpr | None:
+    """The body of a call-like equation: a sub-jaxpr that takes the equation's
+    inputs one to one."""
+    for jaxpr in jaxprs_in_params(eqn.params):
+        if len(jaxpr.invars) == len(eqn.invars):
+            return jaxpr
+    return None
+
+
+# Primitives whose body takes the equation's inputs one to one.
+_CALLS = frozenset(
+    {"jit", "pjit", "closed_call", "core_call", "checkpoint", "custom_jvp_call", "custom_vjp_call"}
+)
+
+
+def _in_frame(handler: Handler) -> Handler:
+    """`handler` for a call (`jit`, `checkpoint`, ...): the call's body and which of
+    its inputs are constants become the frame that `_FramingInterpreter` picks up
+    when the handler interprets the body."""
+
+    def framed(interpreter: Any, state: Any, eqn: JaxprEqn, invals: list[Any]) -> Any:
+        body = _call_body(eqn)
+        outer = state.scope
+        if body is None or outer.frame is None:
+            return handler(interpreter, state, eqn, invals)
+        _, constant_vars = _constant_equations(outer.frame.jaxpr, outer.frame.constant_inputs)
+        constant_inputs = tuple(_is_literal(v) or v in constant_vars for v in eqn.invars)
+        inner = dataclasses.replace(outer, frame=_Frame(body, constant_inputs))
+        result = handler(interpreter, state._replace(scope=inner), eqn, invals)
+        return HandlerResult(result.ctx._replace(scope=outer), result.outvals)
+
+    return framed
+
+
+class _FramingInterpreter(Interpreter):
+    """An interpreter that makes every jaxpr it runs the current frame: the frame a
+    call handler prepared for it (see `_in_frame`), or one whose inputs are not
+    constants (a loop or branch body, the program itself)."""
+
+    def interpret_jaxpr(
+        self, jaxpr: Jaxpr, consts: Any, ctx: Any, args: Any
+    ) -> tuple[list[Any], Any]:
+        if not isinstance(getattr(ctx, "scope", None), _Scope):
+            return super().interpret_jaxpr(jaxpr, consts, ctx, args)
+        outer = ctx.scope
+        frame = outer.frame
+        if frame is None or frame.jaxpr is not jaxpr:
+            frame = _Frame(jaxpr, (False,) * len(jaxpr.invars))
+        inner = dataclasses.replace(outer, frame=frame)
+        outs, ctx = super().interpret_jaxpr(jaxpr, consts, ctx._replace(scope=inner), args)
+        return outs, ctx._replace(scope=outer)

@@ -1,0 +1,108 @@
+"""The sites: the equations `kups.debug` can report, registered while tracing
+(primitive, source line, loops and manual mesh axes around them), and the
+static scope of the equation being interpreted."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+from jax.extend.core import Jaxpr, JaxprEqn
+
+from kups.effects import (
+    Handler,
+    source_location,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Site:
+    """An equation that can produce a NaN, as registered while tracing.
+
+    `loop_depth` is the number of loops around it, `manual_axes` the manual mesh
+    axes around it and `mesh_axes` all axes of their mesh, both `((name, size), ...)`
+    in mesh order.
+    """
+
+    primitive: str
+    file: str | None
+    line: int | None
+    loop_depth: int
+    manual_axes: tuple[tuple[Any, int], ...]
+    mesh_axes: tuple[tuple[Any, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scope:
+    """Static facts about where the current equation is (a static context leaf):
+    the manual mesh axes around it, all axes of their mesh, and the innermost call
+    (`jit`, `checkpoint`, ...) being interpreted, with which of its inputs are
+    constants there."""
+
+    manual_axes: tuple[tuple[Any, int], ...] = ()
+    mesh_axes: tuple[tuple[Any, int], ...] = ()
+    frame: _Frame | None = None
+    # Used by report="reaching" only: the number of loops around the equation, and
+    # whether the jaxpr being run is passive (it has no floating output, so nothing
+    # it computes can reach one: its equations are only re-bound).
+    loop_depth: int = 0
+    passive: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frame:
+    """A call's body and which of its inputs are constants at the call site."""
+
+    jaxpr: Jaxpr
+    constant_inputs: tuple[bool, ...]
+
+
+class _Sites:
+    """The equations checked during one trace, by index."""
+
+    def __init__(self, kinds: tuple[str, ...] = ("nan", "inf")) -> None:
+        self.sites: list[_Site] = []
+        # What is watched: NaNs, Infs or both.
+        self.kinds = kinds
+        # The source of the control-flow equations being interpreted, innermost
+        # last: the fallback for an equation with no user frame of its own (JAX
+        # keeps none for `lax.cond(p, jnp.log, ...)`, whose branch is jnp's code).
+        self.enclosing: list[tuple[str, int]] = []
+
+    def add(self, eqn: JaxprEqn, state: Any) -> int:
+        return self.add_at(eqn, len(state.counters), state.scope)
+
+    def add_at(self, eqn: JaxprEqn, loop_depth: int, scope: _Scope) -> int:
+        """Registers `eqn` as a site inside `loop_depth` loops, in `scope`."""
+        location = source_location(eqn) or (self.enclosing[-1] if self.enclosing else None)
+        file, line = location if location is not None else (None, None)
+        self.sites.append(
+            _Site(eqn.primitive.name, file, line, loop_depth, scope.manual_axes, scope.mesh_axes)
+        )
+        return len(self.sites) - 1
+
+
+def _is_float(value: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(value), jnp.inexact)
+
+
+def _located(sites: _Sites, handler: Handler) -> Handler:
+    """`handler`, with its equation's source the enclosing one while it runs."""
+
+    def located(interpreter: Any, state: Any, eqn: JaxprEqn, invals: list[Any]) -> Any:
+        location = source_location(eqn)
+        if location is None:
+            return handler(interpreter, state, eqn, invals)
+        sites.enclosing.append(location)
+        try:
+            return handler(interpreter, state, eqn, invals)
+        finally:
+            sites.enclosing.pop()
+
+    return located
+
+
+def _is_float_aval(aval: Any) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)

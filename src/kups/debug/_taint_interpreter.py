@@ -1,0 +1,175 @@
+"""`report="reaching"`: the interpreter that keeps the origins of each jaxpr's
+values, and maps the origins crossing a sub-program's boundary onto its inputs
+and outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import Jaxpr, JaxprEqn
+
+from kups.effects import (
+    Dispatcher,
+    Interpreter,
+    InterpreterPolicy,
+    to_current_mesh,
+)
+
+from ._constants import _is_literal
+from ._position import _loop_depth
+from ._sites import _Sites
+from ._taint_origin import (
+    _EXTERNAL,
+    _IO,
+    _as_slot,
+    _float_origin,
+    _is_float_aval,
+    _merged_slot,
+    _Taint,
+    _validated,
+)
+from ._taint_rules import _flush
+
+
+class _TaintInterpreter(Interpreter):
+    """Keeps the origins of the values of each jaxpr being run (a stack of frames,
+    one per nested call), and maps `_IO` onto the jaxpr's inputs and outputs."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        sites: _Sites,
+        policy: InterpreterPolicy = InterpreterPolicy.RAISE,
+    ) -> None:
+        super().__init__(
+            dispatcher, policy=policy, label="find_nans", policy_hint="find_nans(fn, policy=...)"
+        )
+        self.sites = sites
+        self.frames: list[dict[Any, Any]] = []
+        # Per frame: the equations run in it since `tick` was last advanced.
+        self.pending: list[int] = []
+        # Whether any value met so far is typed for a mesh: only then can origins
+        # be typed for different variants of one (see `origins_of`).
+        self.has_mesh = False
+
+    def origins_of(self, atoms: Any, eqn: JaxprEqn | None = None) -> list[Any]:
+        frame = self.frames[-1]
+        # Outputs of an equation run unwatched (an opaque call under
+        # policy=IGNORE/WARN) may hold a NaN/Inf of no site, like arguments.
+        origins = [
+            None if _is_literal(v) else frame[v] if v in frame else _float_origin(v.aval, _EXTERNAL)
+            for v in atoms
+        ]
+        if eqn is None or not self.has_mesh:
+            return origins
+        # Origins made inside an `auto_axes` / `explicit_axes` region are typed for
+        # that region's variant of the mesh; bring them to the one `eqn` runs in.
+        return to_current_mesh(origins, eqn)
+
+    def set_origins(self, atoms: Any, origins: Any) -> None:
+        self.frames[-1].update(zip(atoms, origins, strict=True))
+
+    def interpret_jaxpr(
+        self, jaxpr: Jaxpr, consts: Any, ctx: Any, args: Any
+    ) -> tuple[list[Any], Any]:
+        if not isinstance(ctx, _Taint) or ctx.scope.passive:
+            return super().interpret_jaxpr(jaxpr, consts, ctx, args)
+        if not any(_is_float_aval(v.aval) for v in jaxpr.outvars):
+            # Nothing it computes can reach a floating output (a while_loop's
+            # condition, a function of integers): run it as it is.
+            passive = dataclasses.replace(ctx.scope, passive=True)
+            outs, out_ctx = super().interpret_jaxpr(
+                jaxpr, consts, ctx._replace(scope=passive), args
+            )
+            return outs, out_ctx._replace(scope=ctx.scope)
+        if not self.has_mesh:
+            self.has_mesh = not jax.sharding.get_abstract_mesh().empty or any(
+                _typed_for_a_mesh(v.aval) for v in (*jaxpr.invars, *jaxpr.outvars)
+            )
+        io = ctx.io
+        origins, ctx = _enter(io, ctx, jaxpr, args, self.sites.kinds)
+        frame: dict[Any, Any] = dict.fromkeys(jaxpr.constvars)
+        frame.update(zip(jaxpr.invars, origins, strict=True))
+        self.frames.append(frame)
+        self.pending.append(0)
+        try:
+            outs, ctx = super().interpret_jaxpr(jaxpr, consts, ctx._replace(io=None), args)
+            ctx = _flush(self, ctx)
+        finally:
+            self.frames.pop()
+            self.pending.pop()
+        out_origins = [
+            None if _is_literal(v) else frame[v] if v in frame else _float_origin(v.aval, _EXTERNAL)
+            for v in jaxpr.outvars
+        ]
+        return outs, ctx._replace(io=_leave(io, ctx, jaxpr, out_origins, outs))
+
+
+def _typed_for_a_mesh(aval: Any) -> bool:
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    return mesh is not None and not mesh.empty
+
+
+def _enter(
+    io: _IO, state: _Taint, jaxpr: Jaxpr, args: Any, kinds: tuple[str, ...]
+) -> tuple[list[Any], _Taint]:
+    """The origins of `jaxpr`'s inputs, from the handler's `io`."""
+    avals = [v.aval for v in jaxpr.invars]
+    if io.role == "top":
+        depth = _loop_depth(jaxpr)
+        state = state._replace(pos=np.array([0, 0] + [-1] * depth, np.int32))
+        return [_float_origin(a, _EXTERNAL) for a in avals], state
+    if io.role == "scan":
+        consts, carry, xs, _ = io.groups()
+        xs = [
+            _validated(o, x, kinds)
+            for o, x in zip(xs, args[len(consts) + len(carry) :], strict=True)
+        ]
+        return [*consts, *carry, *xs], state
+    if io.role == "while":
+        consts, carry = io.groups()
+        return [*consts, *carry], state
+    if io.role == "shard_map":
+        origins, split = io.groups()
+        here = state.here.reshape((1,))
+        state = state._replace(pos=jax.lax.dynamic_update_slice(state.pos, here, (1,)))
+        return [
+            _validated(o, x, kinds) if s else o
+            for o, s, x in zip(origins, split, args, strict=True)
+        ], state
+    origins = list(io.origins)
+    if len(origins) != len(avals):
+        # A sub-program that does not take the equation's inputs one to one.
+        return [_float_origin(a, _EXTERNAL) for a in avals], state
+    return origins, state
+
+
+def _leave(io: _IO, state: _Taint, jaxpr: Jaxpr, origins: list[Any], outs: Any) -> _IO:
+    """The `_IO` that tells the handler the origins of `jaxpr`'s outputs."""
+    avals = [v.aval for v in jaxpr.outvars]
+    if io.role == "scan":
+        consts, carry, xs, ys = io.groups()
+        num_carry = len(carry)
+        length = state.pos.shape[0]
+        carry_out = [
+            _as_slot(o, a, length) for o, a in zip(origins[:num_carry], avals, strict=False)
+        ]
+        merged = [
+            _merged_slot(acc, o, a, length)
+            for acc, o, a in zip(ys, origins[num_carry:], avals[num_carry:], strict=True)
+        ]
+        return _IO("scan", io.counts, (*consts, *carry_out, *xs, *merged))
+    if io.role == "while":
+        consts, carry = io.groups()
+        length = state.pos.shape[0]
+        carry_out = [_as_slot(o, a, length) for o, a in zip(origins, avals, strict=True)]
+        return _IO("while", io.counts, (*consts, *carry_out))
+    if io.role == "cond":
+        length = state.pos.shape[0]
+        return _IO(
+            "out", (), tuple(_as_slot(o, a, length) for o, a in zip(origins, avals, strict=True))
+        )
+    return _IO("out", (), tuple(origins))

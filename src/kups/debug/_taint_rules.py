@@ -1,0 +1,331 @@
+"""`report="reaching"`: how one equation passes origins on.
+
+An equation's floating output is checked: finite, its origin is `_FINE` (a NaN
+that a `where`, a slice or an overwrite dropped is forgotten); otherwise it
+inherits the earliest origin of its inputs, or is a new event here when no
+input held a NaN or Inf with an origin. Equations that cannot change whether a
+value is finite (reshapes, transposes, negation, ...) pass the origin on with
+no check, and values computed from constants alone carry none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+from jax.extend.core import JaxprEqn
+
+from kups.effects import (
+    HandlerResult,
+    default_primitive_handler,
+)
+
+from ._position import _NO_SHARD, _all_axes
+from ._sites import _is_float, _Sites
+from ._taint_origin import (
+    _DATA,
+    _EXTERNAL,
+    _FINE,
+    _FINITE,
+    _concrete_finite,
+    _earliest,
+    _finite,
+    _finite_and_nan,
+    _is_float_aval,
+    _Origin,
+    _shape,
+    _Taint,
+)
+
+# Whether an output is finite exactly when its inputs are (real dtypes only):
+# the origin passes on unchecked.
+_TRANSPARENT = frozenset(
+    {
+        "reshape",
+        "broadcast_in_dim",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "neg",
+        "abs",
+        "copy",
+        "copy_p",
+        "rev",
+        "floor",
+        "ceil",
+        "round",
+        "sin",
+        "cos",
+        "cbrt",
+        "concatenate",
+        "pvary",
+        "pcast",
+        "sharding_constraint",
+        "mesh_cast",
+        "reshard",
+    }
+)
+
+
+# Equations that cannot make a NaN/Inf out of finite inputs, but can drop one:
+# their output is checked and inherits its inputs' origin. (Not `gather`: out of
+# bounds, `mode="fill"` fills with NaN.)
+_FILTERS = frozenset(
+    {
+        "select_n",
+        "slice",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "scatter",
+        "pad",
+        "max",
+        "min",
+        "reduce_max",
+        "reduce_min",
+        "cummax",
+        "cummin",
+        "clamp",
+        "tanh",
+        "logistic",
+        "erf",
+        "atan",
+        "atan2",
+        "sign",
+        "real",
+        "imag",
+        "top_k",
+    }
+)
+
+
+# Output j is operand j, reordered or moved.
+_PER_OPERAND = frozenset({"sort", "device_put", "optimization_barrier"})
+
+
+# Collectives: a shard's output depends on other shards' inputs, so the origin
+# is the earliest over the shards.
+_COLLECTIVES = frozenset(
+    {
+        "psum",
+        "psum_invariant",
+        "pmax",
+        "pmin",
+        "ppermute",
+        "pbroadcast",
+        "all_gather",
+        "all_gather_invariant",
+        "all_to_all",
+        "reduce_scatter",
+    }
+)
+
+
+def _code_vectors(site: int, pos: Any) -> tuple[Any, Any]:
+    """`info` of a new event of `site` without and with a NaN, before `pos`."""
+    length = pos.shape[0]
+    inf, nan = np.zeros(length, np.int32), np.zeros(length, np.int32)
+    inf[0], nan[0] = 2 * site, 2 * site + 1
+    if not isinstance(pos, (jax.Array, Tracer)):
+        return inf + pos, nan + pos
+    return inf, nan
+
+
+def _new_info(site: int, pos: Any, has_nan: Any) -> Any:
+    inf, nan = _code_vectors(site, pos)
+    code = jax.lax.select_n(has_nan, inf, nan)
+    if isinstance(pos, (jax.Array, Tracer)):
+        code = jax.lax.add(pos, code)
+    return code
+
+
+def _scale(value: Any) -> float | None:
+    """The magnitude of a concrete real scalar, else `None`."""
+    if isinstance(value, Tracer) or np.ndim(value) != 0 or not _is_float(value):
+        return None
+    if jnp.issubdtype(jnp.result_type(value), jnp.complexfloating):
+        return None
+    magnitude = abs(float(value))
+    return magnitude if np.isfinite(magnitude) else None
+
+
+def _class_of(eqn: JaxprEqn, invals: list[Any], outval: Any, kinds: tuple[str, ...]) -> str:
+    name = eqn.primitive.name
+    if any(_is_float_aval(v.aval) and 0 in _shape(v) for v in eqn.invars):
+        return "create"  # a reduction of nothing: `max` of no elements is -inf
+    complex_out = jnp.issubdtype(outval.dtype, jnp.complexfloating)
+    if name in _TRANSPARENT and not complex_out:
+        # sin(inf) and cos(inf) are NaN: watching NaNs (or Infs) alone, they make one.
+        both = "nan" in kinds and "inf" in kinds
+        return "transparent" if both or name not in ("sin", "cos") else "create"
+    if "inf" not in kinds or "nan" not in kinds:
+        # An unwatched Inf may become a NaN (inf * 0) anywhere else.
+        return "filter" if name in _FILTERS else "create"
+    # A multiplication by a constant of at most 1 in magnitude (a learning rate),
+    # or a division by one of at least 1 (a mean), cannot overflow; a NaN or Inf
+    # stays one (inf * 0 is NaN).
+    scales = [_scale(value) for value in invals]
+    real_pair = not complex_out and len(invals) == 2
+    if name == "mul" and real_pair and any(s is not None and s <= 1.0 for s in scales):
+        return "transparent"
+    if name == "div" and real_pair and scales[1] is not None and scales[1] >= 1.0:
+        return "transparent"
+    if name == "convert_element_type":
+        source = getattr(eqn.invars[0].aval, "dtype", None)
+        target = outval.dtype
+        if (
+            source is not None
+            and jnp.issubdtype(source, jnp.floating)
+            and jnp.issubdtype(target, jnp.floating)
+            and jnp.finfo(target).max >= jnp.finfo(source).max
+        ):
+            return "transparent"
+    if name in _FILTERS:
+        return "filter"
+    return "create"
+
+
+def _taint_equation(
+    sites: _Sites, interpreter: Any, state: _Taint, eqn: JaxprEqn, invals: list[Any]
+) -> HandlerResult:
+    """The fallback handler of report="reaching": re-binds the equation and gives
+    each output its origin."""
+    outvals = default_primitive_handler(interpreter, state, eqn, invals).outvals
+    if state.scope.passive:
+        return HandlerResult(state, outvals)
+    origins = interpreter.origins_of(eqn.invars, eqn)
+    if all(o is None for o in origins):
+        interpreter.set_origins(eqn.outvars, [None] * len(eqn.outvars))
+        return HandlerResult(state, outvals)
+    pending = interpreter.pending[-1]
+    created, out_origins = _propagate(sites, state, eqn, invals, origins, outvals, pending)
+    interpreter.pending[-1] = pending + created
+    interpreter.set_origins(eqn.outvars, out_origins)
+    return HandlerResult(state, outvals)
+
+
+def _propagate(
+    sites: _Sites,
+    state: _Taint,
+    eqn: JaxprEqn,
+    invals: list[Any],
+    origins: list[Any],
+    outvals: list[Any],
+    pending: int,
+) -> tuple[bool, list[Any]]:
+    """Whether `eqn` can make a NaN/Inf, and the origins of its outputs; its
+    events are stamped `tick + pending`."""
+    name = eqn.primitive.name
+    now = None
+    floats_in = [i for i, value in enumerate(invals) if _is_float(value)]
+    out_origins: list[Any] = []
+    site: int | None = None
+    collective = name in _COLLECTIVES and bool(state.scope.manual_axes)
+    across: dict[tuple[int, ...], Any] = {}
+    for j, outval in enumerate(outvals):
+        if not _is_float(outval):
+            out_origins.append(_DATA)
+            continue
+        if np.size(outval) == 0:
+            out_origins.append(_FINITE)
+            continue
+        inputs = [j] if name in _PER_OPERAND else floats_in
+        traced = [origins[i] for i in inputs if isinstance(origins[i], _Origin)]
+        unknown = any(
+            origins[i] is _EXTERNAL
+            or (isinstance(origins[i], _Origin) and origins[i].external)
+            or (origins[i] is None and not _concrete_finite(invals[i], sites.kinds))
+            for i in inputs
+        )
+        kind = "create" if collective else _class_of(eqn, invals, outval, sites.kinds)
+        if kind != "create" and not unknown:
+            if not traced:
+                out_origins.append(_FINITE)
+                continue
+            inherited = _earliest(traced)
+            if kind == "filter":
+                w = jax.lax.select_n(_finite(outval, sites.kinds), inherited.w, _FINE)
+                inherited = _Origin(w, inherited.info, False)
+            out_origins.append(inherited)
+            continue
+        # It may create a NaN/Inf here.
+        if site is None:
+            site = sites.add_at(eqn, state.scope.loop_depth, state.scope)
+        inherited = _earliest(traced) if traced else None
+        if collective:
+            key = tuple(inputs)
+            if key not in across:
+                across[key] = _across_shards(state, inherited, eqn.params)
+            inherited = across[key]
+        fine, has_nan = _finite_and_nan(outval, sites.kinds)
+        info = _new_info(site, state.pos, has_nan)
+        if now is None:
+            now = _plus(state.tick, pending)
+        if inherited is None:
+            w = jax.lax.select_n(fine, jnp.asarray(now, jnp.int32), _FINE)
+        else:
+            w = jax.lax.select_n(fine, jax.lax.min(inherited.w, now), _FINE)
+            info = jax.lax.select_n(jax.lax.lt(inherited.w, now), info, inherited.info)
+        out_origins.append(_Origin(w, info, False))
+    return site is not None, out_origins
+
+
+# `tick` stops growing here (ordering events made after 2**30 others, per shard,
+# by their site instead), so that `tick` plus the equations of one jaxpr stays
+# below the reserved values.
+_TICK_LIMIT = 2**30
+
+
+def _plus(tick: Any, count: int) -> Any:
+    if count == 0:
+        return tick
+    if isinstance(tick, (jax.Array, Tracer)):
+        return jax.lax.add(tick, np.int32(count))
+    return np.int32(int(tick) + count)
+
+
+def _flush(interpreter: Any, state: _Taint) -> _Taint:
+    """`state` with `tick` advanced past the events of the jaxpr being run so far.
+
+    Within one run of a jaxpr, the equations that can make a NaN/Inf stamp their
+    events `tick + j` (the j-th of them): one addition, no update of `tick`.
+    """
+    count = interpreter.pending[-1]
+    if count == 0:
+        return state
+    interpreter.pending[-1] = 0
+    tick = state.tick
+    if isinstance(tick, (jax.Array, Tracer)):
+        tick = jax.lax.min(tick, np.int32(_TICK_LIMIT))
+    else:
+        tick = np.int32(min(int(tick), _TICK_LIMIT))
+    return state._replace(tick=_plus(tick, count))
+
+
+def _collective_axes(params: Any) -> tuple[Any, ...]:
+    axes = params.get("axes", params.get("axis_name", ()))
+    axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+    return tuple(a for a in axes if not isinstance(a, int))
+
+
+def _across_shards(state: _Taint, origin: _Origin | None, params: Any) -> _Origin:
+    """The earliest of the shards' `origin`s over the collective's axes (the first
+    shard in mesh order on ties): every shard's output may hold any shard's NaN."""
+    if origin is None:
+        origin = _Origin(_FINE, np.zeros(state.pos.shape[0], np.int32), False)
+    return _earliest_over(state.here.reshape(()), origin, _collective_axes(params))
+
+
+def _earliest_over(own: Any, origin: _Origin, axes: tuple[Any, ...]) -> _Origin:
+    """The earliest of the shards' `origin`s over `axes`, the same on every shard;
+    `own` is the shard's index in the mesh (the first shard wins ties)."""
+    # `where` on the shard index makes the values varying, as the collectives need.
+    varying = own >= 0
+    w = jnp.where(varying, origin.w, _FINE)
+    first = _all_axes(jax.lax.pmin, w, axes)
+    candidate = jnp.where(w == first, own, _NO_SHARD)
+    chosen = own == _all_axes(jax.lax.pmin, candidate, axes)
+    info = _all_axes(jax.lax.psum, jnp.where(chosen, origin.info, 0), axes)
+    return _Origin(first, info, origin.external)

@@ -1,0 +1,370 @@
+"""The walk shared by `find_nans(report="first")` and `nan_sites`: every equation
+that is not control flow is re-bound and its floating outputs checked (unless all
+its inputs are constants of the program); what a check finds goes to a
+*recorder*, which keeps what its report needs.
+
+The context (`_State`) holds the recorder's `record`, the current shard's index
+and the iteration counter of each loop around the current equation. Loops push
+a counter (advanced by the loop handlers' `updater`; a reversed scan's counts
+down, so that it is the index into `xs`). A `shard_map` body starts with an
+empty record; the recorder combines the shards' records before they leave, and
+the body's record with the one from before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Jaxpr, JaxprEqn
+from jax.sharding import PartitionSpec as P
+
+from kups.effects import (
+    Dispatcher,
+    HandlerResult,
+    InterpreterPolicy,
+    default_dispatcher,
+    default_primitive_handler,
+    default_scan_handler,
+    default_shard_map_handler,
+    default_while_handler,
+    reinterpret,
+    shard_map_axes,
+)
+
+from ._constants import (
+    _CALLS,
+    _constant_equations,
+    _FramingInterpreter,
+    _in_frame,
+    _is_constant,
+    _is_literal,
+)
+from ._position import _loop_depth, _loop_start, _shard_indices
+from ._sites import _is_float, _located, _Scope, _Sites
+
+_KINDS = ("nan", "inf")
+
+
+def _check_kinds(kinds: Any, entry: str) -> tuple[str, ...]:
+    """`kinds` in the canonical order, or a clear error."""
+    chosen = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+    if not chosen or any(kind not in _KINDS for kind in chosen):
+        raise ValueError(
+            f"{entry}(fn, kinds={kinds!r}): kinds is a non-empty tuple of 'nan' and 'inf', "
+            f"such as ('nan',) to watch NaNs only, or ('nan', 'inf') for both."
+        )
+    return tuple(kind for kind in _KINDS if kind in chosen)
+
+
+class _Recorder(Protocol):
+    """What a report keeps of the checks (`record` is a pytree of arrays).
+
+    `made_only`: whether a check reports only what the equation made itself (not
+    a NaN/Inf that one of its inputs already held).
+    """
+
+    made_only: bool
+
+    def start(self, jaxpr: Jaxpr, depth: int) -> Any:
+        """The empty record of a program `jaxpr` whose loops nest `depth` deep."""
+        ...
+
+    def empty(self, record: Any) -> Any:
+        """An empty record shaped like `record` (a `shard_map` body's start)."""
+        ...
+
+    def record(self, record: Any, site: int, flags: dict[str, Any], stamp: Any) -> Any:
+        """`record` after a check of `site` found `flags` (kind to traced bool), at
+        `stamp`: `[shard, iteration of each loop...]` (see `_stamp`)."""
+        ...
+
+    def reduce(self, record: Any, own: Any, manual: tuple[Any, ...]) -> Any:
+        """Every shard's `record` combined over the `manual` axes (the same result on
+        every shard); `own` is the shard's index in the mesh."""
+        ...
+
+    def merge(self, outer: Any, inner: Any) -> Any:
+        """The record from before a `shard_map` with the one its body made."""
+        ...
+
+
+class _State(NamedTuple):
+    """The context of the walk.
+
+    - `record`: the recorder's record (`None` until the program's jaxpr is seen).
+    - `here`: the current shard's row-major index in the mesh: 0 outside
+      `shard_map`; inside, a block of shape `(1, ...)`, one dimension per manual axis.
+    - `counters`: the current iteration of each loop around the current equation.
+    - `scope`: static facts about where the current equation is (`_Scope`).
+    """
+
+    record: Any
+    here: Any
+    counters: tuple[Any, ...]
+    scope: _Scope
+
+
+def _initial_state() -> _State:
+    return _State(record=None, here=jnp.int32(0), counters=(), scope=_Scope())
+
+
+class _WalkInterpreter(_FramingInterpreter):
+    """Starts the record when it meets the program's jaxpr."""
+
+    def __init__(
+        self, dispatcher: Dispatcher, recorder: _Recorder, policy: InterpreterPolicy, label: str
+    ) -> None:
+        super().__init__(
+            dispatcher, policy=policy, label=label, policy_hint=f"{label}(fn, policy=...)"
+        )
+        self.recorder = recorder
+        self.depth = 0
+        # Per jaxpr being run: whether a variable held a watched NaN/Inf (a traced
+        # bool), for recorders that count only what an equation made itself.
+        self.held: list[dict[Any, Any]] = []
+        # `_stamp`'s cache: by the ids of the shard index and counters it was made of.
+        self.stamps: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
+
+    def interpret_jaxpr(
+        self, jaxpr: Jaxpr, consts: Any, ctx: Any, args: Any
+    ) -> tuple[list[Any], Any]:
+        if isinstance(ctx, _State) and ctx.record is None:
+            self.depth = _loop_depth(jaxpr)
+            ctx = ctx._replace(record=self.recorder.start(jaxpr, self.depth))
+        self.held.append({})
+        try:
+            return super().interpret_jaxpr(jaxpr, consts, ctx, args)
+        finally:
+            self.held.pop()
+
+
+def _or(a: Any, b: Any) -> Any:
+    return jax.lax.bitwise_or(a, b)
+
+
+def _flags(values: list[Any], kinds: tuple[str, ...], exact: bool = True) -> dict[str, Any]:
+    """Whether any element of `values` is a NaN / an Inf, for each of `kinds`: one
+    reduction of all the flags at once per value. Not `exact`, the flag of "inf"
+    says whether any element is not finite (one operation less per element)."""
+    found: dict[str, Any] = {}
+    for value in values:
+        real = not jnp.issubdtype(value.dtype, jnp.complexfloating)
+        finite = not exact and real and "inf" in kinds
+        masks, inits, combine = [], [], []
+        for kind in kinds:
+            if kind == "inf" and finite:
+                masks.append(jax.lax.is_finite(value))
+                inits.append(np.bool_(True))
+                combine.append(jax.lax.bitwise_and)
+            else:
+                masks.append(_is_nan(value) if kind == "nan" else _is_inf(value))
+                inits.append(np.bool_(False))
+                combine.append(_or)
+        if value.ndim == 0:
+            flags = masks
+        else:
+            flags = jax.lax.reduce(
+                tuple(masks),
+                tuple(inits),
+                lambda a, b, combine=tuple(combine): tuple(
+                    op(x, y) for op, x, y in zip(combine, a, b, strict=True)
+                ),
+                tuple(range(value.ndim)),
+            )
+        flags = list(flags)
+        if finite:
+            flags[kinds.index("inf")] = jax.lax.bitwise_not(flags[kinds.index("inf")])
+        for kind, flag in zip(kinds, flags, strict=True):
+            found[kind] = _or(found[kind], flag) if kind in found else flag
+    return found
+
+
+def _is_nan(value: Any) -> Any:
+    return jax.lax.ne(value, value)
+
+
+def _is_inf(value: Any) -> Any:
+    magnitude = jax.lax.abs(value)
+    return jax.lax.eq(magnitude, np.array(np.inf, magnitude.dtype))
+
+
+def _stamp(interpreter: Any, state: _State) -> Any:
+    """`[shard, iteration of each loop...]` of the current equation, padded with -1
+    to the program's loop depth: computed once per shard index and loop counters
+    (they change only at loop and `shard_map` boundaries)."""
+    key = (state.here, *state.counters)
+    cached = interpreter.stamps.get(tuple(map(id, key)))
+    if cached is not None and all(a is b for a, b in zip(cached[0], key, strict=True)):
+        return cached[1]
+    padding = [np.int32(-1)] * (interpreter.depth - len(state.counters))
+    parts = [jax.lax.reshape(jnp.asarray(v, jnp.int32), (1,)) for v in key]
+    parts += [np.full((len(padding),), -1, np.int32)] if padding else []
+    stamp = jax.lax.concatenate(parts, 0)
+    interpreter.stamps[tuple(map(id, key))] = (key, stamp)
+    return stamp
+
+
+def _check_equation(
+    sites: _Sites,
+    kinds: tuple[str, ...],
+    interpreter: Any,
+    state: _State,
+    eqn: JaxprEqn,
+    invals: list[Any],
+) -> HandlerResult:
+    """The fallback handler: re-binds the equation and checks its float outputs,
+    unless they are constants of the program (see `_constant_equations`)."""
+    outvals = default_primitive_handler(interpreter, state, eqn, invals).outvals
+    floats = [value for value in outvals if _is_float(value)]
+    if not floats or _is_constant(state.scope.frame, eqn):
+        return HandlerResult(state, outvals)
+    site = sites.add(eqn, state)
+    flags = _flags(floats, kinds, exact=interpreter.recorder.made_only)
+    if interpreter.recorder.made_only:
+        flags = _made_here(interpreter, state, eqn, invals, flags, kinds)
+    record = interpreter.recorder.record(state.record, site, flags, _stamp(interpreter, state))
+    return HandlerResult(state._replace(record=record), outvals)
+
+
+def _made_here(
+    interpreter: Any,
+    state: _State,
+    eqn: JaxprEqn,
+    invals: list[Any],
+    flags: dict[str, Any],
+    kinds: tuple[str, ...],
+) -> dict[str, Any]:
+    """`flags` of what `eqn` made itself: none where an input already held a
+    watched NaN/Inf (judged per array). A constant input does not count: the
+    equation that first combines a constant NaN with data made it."""
+    held = interpreter.held[-1]
+    held.update(dict.fromkeys(eqn.outvars, functools.reduce(_or, flags.values())))
+    frame = state.scope.frame
+    constants = _constant_equations(frame.jaxpr, frame.constant_inputs)[1] if frame else frozenset()
+    inherited = None
+    for var, value in zip(eqn.invars, invals, strict=True):
+        if _is_literal(var) or var in constants or not _is_float(value):
+            continue
+        if var not in held:
+            held[var] = functools.reduce(_or, _flags([value], kinds).values())
+        inherited = held[var] if inherited is None else _or(inherited, held[var])
+    if inherited is None:
+        return flags
+    fresh = jax.lax.bitwise_not(inherited)
+    return {kind: jax.lax.bitwise_and(flag, fresh) for kind, flag in flags.items()}
+
+
+def _next_iteration(step: int, carried: _State, new: _State) -> _State:
+    """The loop updater: the innermost loop counter moves by `step` after each
+    iteration (-1 in a reversed scan, whose counter is the index into `xs`)."""
+    del carried
+    *outer, current = new.counters
+    return new._replace(counters=(*outer, current + step))
+
+
+def _check_loop(
+    loop_handler: Callable[..., HandlerResult],
+    interpreter: Any,
+    state: _State,
+    eqn: JaxprEqn,
+    invals: list[Any],
+) -> HandlerResult:
+    """Runs a loop with one more counter."""
+    outer_counters = state.counters
+    start, step = _loop_start(eqn)
+    state = state._replace(counters=(*outer_counters, jnp.int32(start)))
+    result = loop_handler(
+        interpreter, state, eqn, invals, updater=functools.partial(_next_iteration, step)
+    )
+    return HandlerResult(result.ctx._replace(counters=outer_counters), result.outvals)
+
+
+@functools.lru_cache(maxsize=64)
+def _reduce_shards(recorder: _Recorder, manual: tuple[Any, ...]) -> Callable[[_State], _State]:
+    """`reduce_ctx` of a `shard_map` (cached so that the framework's body cache
+    recognises it)."""
+
+    def reduce_ctx(state: _State) -> _State:
+        record = recorder.reduce(state.record, state.here.reshape(()), manual)
+        # Replicated, to leave the body; the caller keeps its own.
+        return state._replace(record=record, here=jnp.zeros(state.here.shape, jnp.int32))
+
+    return reduce_ctx
+
+
+def _check_shard_map(
+    interpreter: Any, state: _State, eqn: JaxprEqn, invals: list[Any]
+) -> HandlerResult:
+    """The body starts with an empty record; the shards' records, combined, are
+    merged with the one from before."""
+    recorder = interpreter.recorder
+    mesh, manual_set = shard_map_axes(eqn)
+    sizes = dict(mesh.shape)
+    mesh_axes = tuple((name, sizes[name]) for name in mesh.axis_names)
+    manual = tuple(name for name in mesh.axis_names if name in manual_set)
+    names = {name for name, _ in state.scope.manual_axes} | set(manual)
+    scope_axes = tuple((name, size) for name, size in mesh_axes if name in names)
+    inner = state._replace(
+        record=recorder.empty(state.record),
+        here=_shard_indices(state.here, mesh_axes, manual),
+        scope=dataclasses.replace(state.scope, manual_axes=scope_axes, mesh_axes=mesh_axes),
+    )
+
+    def ctx_in_specs(tree: _State) -> _State:
+        return jax.tree.map(lambda _: P(), tree)._replace(here=P(*manual))
+
+    result = default_shard_map_handler(
+        interpreter,
+        inner,
+        eqn,
+        invals,
+        declare_ctx_in_specs=ctx_in_specs,
+        reduce_ctx=_reduce_shards(recorder, manual),
+    )
+    merged = state._replace(record=recorder.merge(state.record, result.ctx.record))
+    return HandlerResult(merged, result.outvals)
+
+
+def _dispatcher(sites: _Sites, kinds: tuple[str, ...]) -> Dispatcher:
+    dispatcher = (
+        default_dispatcher()
+        .register_handler("scan", functools.partial(_check_loop, default_scan_handler))
+        .register_handler(
+            "while",
+            functools.partial(
+                _check_loop, functools.partial(default_while_handler, thread_condition=True)
+            ),
+        )
+        .register_handler("shard_map", _check_shard_map)
+        .register_fallback_handler(functools.partial(_check_equation, sites, kinds))
+    )
+    for name, handler in dispatcher.handlers.items():
+        if name in _CALLS:
+            handler = _in_frame(handler)
+        dispatcher.register_handler(name, _located(sites, handler))
+    return dispatcher
+
+
+def _walk(
+    fn: Callable[..., Any],
+    recorder: _Recorder,
+    kinds: tuple[str, ...],
+    policy: InterpreterPolicy,
+    label: str,
+) -> Callable[..., tuple[Any, Any, _Sites]]:
+    """`fn` walked with `recorder`: `(*args) -> (out, record, sites)`; `label`
+    names the entry point in messages."""
+
+    def walked(*args: Any, **kwargs: Any) -> tuple[Any, Any, _Sites]:
+        sites = _Sites(kinds)
+        interpreter = _WalkInterpreter(_dispatcher(sites, kinds), recorder, policy, label)
+        out, state = reinterpret(fn, interpreter)(_initial_state(), *args, **kwargs)
+        return out, state.record, sites
+
+    return walked

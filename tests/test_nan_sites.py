@@ -1,0 +1,197 @@
+"""`kups.debug.nan_sites`, checked against the sites, counts, first iterations and
+shards of each test program, worked out by hand (lines marked `# <marker>`)."""
+
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from kups.debug import NanSite, nan_sites
+
+with open(__file__) as _file:
+    _LINES = _file.read().splitlines()
+
+
+def line_of(marker: str) -> str:
+    lines = [i for i, text in enumerate(_LINES, 1) if text.rstrip().endswith(f"# {marker}")]
+    assert len(lines) == 1, f"marker {marker!r} on lines {lines}"
+    return f"{os.path.basename(__file__)}:{lines[0]}"
+
+
+def sites_of(fn, *args, **options) -> list[tuple]:
+    """`(primitive, marker line, kind, count, first_iteration, first_shard)` of each
+    site, eagerly and under jit (checked to agree); outputs checked against `fn`."""
+    out, sites = nan_sites(fn, **options)(*args)
+    jit_out, jit_sites = eqx.filter_jit(nan_sites(fn, **options))(*args)
+    expected = fn(*args)
+    for got in (out, jit_out):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+    records = [
+        (s.primitive, s.source, s.kind, s.count, s.first_iteration, s.first_shard) for s in sites
+    ]
+    assert records == [
+        (s.primitive, s.source, s.kind, s.count, s.first_iteration, s.first_shard)
+        for s in jit_sites
+    ]
+    assert len(sites) == len(records)
+    assert all(isinstance(s, NanSite) and s.path.endswith("test_nan_sites.py") for s in sites)
+    return records
+
+
+def site(primitive, marker, kind="nan", count=1, iteration=(), shard=None):
+    return (primitive, line_of(marker), kind, count, tuple(iteration), shard)
+
+
+def test_every_site_in_program_order_and_both_kinds():
+    def f(x):
+        a = jnp.log(x)  # log-both
+        b = 1.0 / (x - 2.0)  # div-inf
+        c = a + b  # only-moves-them
+        return jnp.sqrt(x - 3.0) + c  # sqrt-nan
+
+    assert sites_of(f, jnp.array([-1.0, 0.0, 2.0])) == [
+        site("log", "log-both", "nan"),
+        site("log", "log-both", "inf"),
+        site("div", "div-inf", "inf"),
+        site("sqrt", "sqrt-nan", "nan"),
+    ]
+    assert sites_of(f, jnp.array([4.0, 5.0])) == []
+
+
+def test_kinds():
+    def f(x):
+        return jnp.log(x) + jnp.sqrt(x)  # log-and-sqrt
+
+    x = jnp.array([-1.0, 0.0])
+    assert sites_of(f, x, kinds=("nan",)) == [
+        site("log", "log-and-sqrt", "nan"),
+        site("sqrt", "log-and-sqrt", "nan"),
+    ]
+    assert sites_of(f, x, kinds=("inf",)) == [site("log", "log-and-sqrt", "inf")]
+
+
+def test_scan_counts_iterations_and_reverse_gives_xs_index():
+    def f(xs, reverse):
+        def step(total, x):
+            y = jnp.log(x)  # log-in-scan
+            return total + jnp.where(x > 0, y, 0.0), None
+
+        return lax.scan(step, 0.0, xs, reverse=reverse)[0]
+
+    xs = jnp.array([1.0, -1.0, 0.0, -2.0, 3.0])
+    assert sites_of(lambda xs: f(xs, False), xs) == [
+        site("log", "log-in-scan", "nan", 2, [1]),
+        site("log", "log-in-scan", "inf", 1, [2]),
+    ]
+    # Reversed, x[3] runs first; the first iteration is still named by its xs index.
+    assert sites_of(lambda xs: f(xs, True), xs) == [
+        site("log", "log-in-scan", "nan", 2, [3]),
+        site("log", "log-in-scan", "inf", 1, [2]),
+    ]
+
+
+def test_nested_loops_while_and_cond():
+    def f(x):
+        def outer(i, total):
+            def cond(c):
+                return c[0] < 3
+
+            def body(c):
+                j, acc = c
+                v = x[i] - j
+                made = lax.cond(v < 0, jnp.log, lambda u: u, v)  # log-in-cond
+                return j + 1, acc + jnp.where(v < 0, 0.0, made)
+
+            return total + lax.while_loop(cond, body, (0, 0.0))[1]
+
+        return lax.fori_loop(0, 2, outer, 0.0)
+
+    # x[0] = 1.0: v = 1, 0, -1 (log(-1): NaN at (0, 2)); x[1] = 0.5: v = 0.5,
+    # -0.5, -1.5 (NaN at (1, 1) and (1, 2)).
+    assert sites_of(f, jnp.array([1.0, 0.5])) == [
+        site("log", "log-in-cond", "nan", 3, [0, 2]),
+    ]
+
+
+def test_remat_and_grad():
+    def loss(x):
+        h = jax.checkpoint(lambda u: jnp.sqrt(u))(x)  # sqrt-in-remat
+        return jnp.where(x > 0, h, 0.0).sum()
+
+    # The forward sqrt makes NaN once; under grad the remat recomputes it and its
+    # derivative 0.5 / sqrt(x) makes it again (a div: a NaN over a NaN is not new).
+    forward = sites_of(loss, jnp.array([1.0, -1.0]))
+    assert forward == [site("sqrt", "sqrt-in-remat", "nan")]
+    grads = sites_of(jax.grad(loss), jnp.array([1.0, -1.0]))
+    assert grads[0] == site("sqrt", "sqrt-in-remat", "nan")
+    assert all(record[2] == "nan" for record in grads)
+
+
+def test_shard_map_counts_every_shard(mesh42):
+    def f(x):
+        def body(a):
+            def step(c, i):
+                return c + jnp.log(a - i), None  # log-in-shard-scan
+
+            return lax.scan(step, jnp.zeros_like(a), jnp.arange(3.0))[0]
+
+        return jax.shard_map(body, mesh=mesh42, in_specs=P("x", "y"), out_specs=P("x", "y"))(x)
+
+    # Shard (1, 0) holds 1.5: log(1.5 - 2) NaN at iteration 2; shard (3, 1) holds
+    # 0.5: NaN at iterations 1 and 2; shard (0, 1) holds 1.0: -inf at 1, then the
+    # NaN of log(-1) at 2. The first NaN: iteration 1 on (3, 1).
+    x = jnp.full((8, 4), 9.0).at[2, 0].set(1.5).at[7, 3].set(0.5).at[0, 2].set(1.0)
+    assert sites_of(f, x) == [
+        site("log", "log-in-shard-scan", "nan", 4, [1], {"x": 3, "y": 1}),
+        site("log", "log-in-shard-scan", "inf", 1, [1], {"x": 0, "y": 1}),
+    ]
+
+
+def test_vmap_adds_up_the_elements():
+    def f(x):
+        return jnp.log(x)  # log-vmapped
+
+    _, sites = jax.vmap(nan_sites(f))(jnp.array([-1.0, 1.0, -2.0, 0.0]))
+    assert [(s.primitive, s.source, s.kind, s.count) for s in sites] == [
+        ("log", line_of("log-vmapped"), "nan", 2),
+        ("log", line_of("log-vmapped"), "inf", 1),
+    ]
+
+
+def test_constant_is_blamed_on_the_line_that_writes_it():
+    def f(x):
+        y = jnp.where(x > 0, x, jnp.nan)  # where-writes-nan
+        return y * 2.0
+
+    assert sites_of(f, jnp.array([1.0, -1.0])) == [site("select_n", "where-writes-nan")]
+
+
+def test_sites_returned_from_jit_and_read_outside():
+    def f(x):
+        return jnp.log(x)  # log-jitted
+
+    _, sites = jax.jit(nan_sites(f))(jnp.float32(-1.0))
+    leaves = jax.tree.leaves(sites)
+    assert all(isinstance(leaf, jax.Array) for leaf in leaves)
+
+    def inside(x):
+        _, traced = nan_sites(f)(x)
+        with pytest.raises(TypeError, match="concrete"):
+            list(traced)
+        return 0.0
+
+    jax.jit(inside)(jnp.float32(1.0))
+    assert "log" in sites._repr_html_()
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="kinds"):
+        nan_sites(jnp.log, kinds=("nans",))
+    with pytest.raises(TypeError, match="callable"):
+        nan_sites(jnp.log(1.0))
