@@ -13,6 +13,7 @@ from .handlers import (
     default_custom_vjp_handler,
     default_custom_vmap_handler,
     default_jit_handler,
+    default_library_primitive_handler,
     default_remat_opt_handler,
     default_scan_handler,
     default_shard_map_handler,
@@ -40,6 +41,10 @@ DEFAULT_HANDLERS = {
     "call": default_closed_call_handler,
     "shard_map": default_shard_map_handler,
     "custom_linear_solve": default_custom_linear_solve_handler,
+    # Library primitives kups goes inside (docs/equinox.md): lineax's solve, and
+    # equinox's batched form of it (a `vprim`, under `jax.vmap`).
+    "linear_solve": default_library_primitive_handler,
+    "vprim": default_library_primitive_handler,
 }
 
 

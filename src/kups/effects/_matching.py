@@ -183,7 +183,8 @@ def is_library_primitive(eqn: JaxprEqn) -> bool:
     primitive), rather than a JAX primitive or a host callback.
 
     Such a primitive runs code kups cannot see before it runs: an effect bound
-    inside it is out of the interpreter's sight. Effects that must enter every
+    inside it is out of the interpreter's sight. The library primitives the
+    default dispatcher goes inside (lineax's `linear_solve`) are not opaque: false. Effects that must enter every
     sub-program (counting, checking) treat it as opaque.
 
     **Example:**
@@ -197,7 +198,9 @@ def is_library_primitive(eqn: JaxprEqn) -> bool:
     assert not any(is_library_primitive(eqn) for eqn in closed.jaxpr.eqns)
     ```
     """
-    return holds_functions(eqn, _compat.KNOWN_PARAMS)
+    from .handlers._library import enters  # a handler module imports this one
+
+    return holds_functions(eqn, _compat.KNOWN_PARAMS) and not enters(eqn)
 
 
 def holds_functions(eqn: JaxprEqn, known: frozenset[str] | set[str] | dict[str, Any]) -> bool:
