@@ -20,7 +20,12 @@ control flow whole.
 
 Each library is imported with `pytest.importorskip`, so the suite runs without
 the extra. Where kups fails on a program, the test is an `xfail(strict=True)`
-naming the kups limitation, so it flips when that is fixed.
+naming the kups limitation, so it flips when that is fixed (none is left).
+
+lineax's `linear_solve` (which optimistix's Newton and Levenberg-Marquardt and
+diffrax's implicit solvers run) is an equinox filter primitive that kups goes
+inside: its counts, sows and NaNs are seen there, and derivatives through an
+effect are plain JAX's (`assert_derivatives_through`).
 """
 
 from __future__ import annotations
@@ -139,6 +144,32 @@ def count_and_compare(fn: Callable[..., Any], *args: Any, **options: Any) -> Any
     out, counts = count_primitives(fn, **options)(*args)
     assert_trees_equal(out, fn(*args), "count_primitives outputs")
     return counts
+
+
+def assert_derivatives_through(
+    effect: Callable[..., Any], fn: Callable[..., Any], *args: Any, argnums: int
+) -> None:
+    """Forward (`jax.jvp`) and reverse (`jax.grad`) derivatives of `fn`'s first
+    output through `effect(fn)` (whose first output is `fn`'s outputs) equal plain
+    JAX's bit for bit, under `jit`."""
+
+    def first(f: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda x: jax.tree.leaves(f(*args[:argnums], x, *args[argnums + 1 :])[0])[0]
+
+    interpreted = first(lambda *a: effect(fn)(*a)[0])
+    plain = first(fn)
+    x = args[argnums]
+    tangent = jnp.linspace(0.5, 1.5, x.size, dtype=x.dtype).reshape(x.shape)
+    assert_trees_equal(
+        jax.jit(lambda x: jax.jvp(interpreted, (x,), (tangent,)))(x),
+        jax.jit(lambda x: jax.jvp(plain, (x,), (tangent,)))(x),
+        "jvp",
+    )
+    assert_trees_equal(
+        jax.jit(jax.grad(lambda x: jnp.sum(interpreted(x) ** 2)))(x),
+        jax.jit(jax.grad(lambda x: jnp.sum(plain(x) ** 2)))(x),
+        "grad",
+    )
 
 
 def static_count(jaxpr: Jaxpr | ClosedJaxpr, name: str) -> int:
@@ -273,14 +304,6 @@ def test_diffrax_sow_in_vector_field(dfx: ModuleType) -> None:
 # lineax: CG on a matrix-free operator.
 # ---------------------------------------------------------------------------
 
-# Every effect inside a lineax solve needs kups to walk lineax's `linear_solve`,
-# an equinox filter primitive that holds the operator's jaxprs inside a tuple
-# param; kups has no handler for it.
-LINEAR_SOLVE_OPAQUE = (
-    "kups has no handler for lineax's linear_solve (an equinox filter primitive "
-    "holding its jaxprs in tuple params): effects and counts cannot go inside it"
-)
-
 
 @pytest.fixture(scope="module")
 def lx() -> ModuleType:
@@ -338,13 +361,6 @@ def counting_matvec(calls: list[np.ndarray]) -> Callable[..., Any]:
     return matvec
 
 
-def test_lineax_count_around_opaque_solve(lx: ModuleType) -> None:
-    counts = count_and_compare(cg_solver(lx, spd_matvec), *CG_ARGS, policy=InterpreterPolicy.IGNORE)
-    # One call of the solve primitive, whose inside is not counted.
-    assert counts.opaque == {"linear_solve": 1}
-
-
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=LINEAR_SOLVE_OPAQUE)
 def test_lineax_count(lx: ModuleType) -> None:
     calls: list[np.ndarray] = []
     solve = cg_solver(lx, counting_matvec(calls))
@@ -353,12 +369,16 @@ def test_lineax_count(lx: ModuleType) -> None:
     assert expected >= int(stats["num_steps"]) > 1
     calls.clear()
     counts = count_and_compare(solve, *CG_ARGS)
-    # One host callback per application of the operator, as the callbacks counted.
+    # One host callback per application of the operator, as the callbacks counted,
+    # and the operator's matrix product with it.
     assert counts["debug_callback"] == expected
+    assert counts["dot_general"] >= expected
     assert counts.opaque == {}
+    # Nothing is opaque, so the policy changes nothing.
+    assert count_and_compare(solve, *CG_ARGS, policy=InterpreterPolicy.IGNORE) == counts
+    assert_derivatives_through(count_primitives, cg_solver(lx, spd_matvec), *CG_ARGS, argnums=1)
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=LINEAR_SOLVE_OPAQUE)
 def test_lineax_sow_in_operator(lx: ModuleType) -> None:
     calls: list[np.ndarray] = []
     cg_solver(lx, counting_matvec(calls))(*CG_ARGS)
@@ -396,52 +416,74 @@ def module_level_solve(lx: ModuleType, operator_fn: Callable[..., Any]) -> Calla
 
 
 def test_lineax_sow_in_module_level_operator(lx: ModuleType) -> None:
-    # The operator function stays a Python function in linear_solve's params, so
-    # kups cannot see into the solve: the sow it binds there is not lost silently.
+    # The operator function stays a Python function in linear_solve's params (no
+    # jaxpr): kups traces the solve's implementation, which calls it.
     b = CG_ARGS[0]
+    expected, _ = module_level_solve(lx, spd_operator)(b)
+    last: list[np.ndarray] = []
+
+    def recording_operator(v: jax.Array) -> jax.Array:
+        jax.debug.callback(lambda x: last.append(np.asarray(x)), v)
+        return spd_operator(v)
+
+    module_level_solve(lx, recording_operator)(b)
     for wrapped in (
         reap(module_level_solve(lx, sowing_spd_operator), tag="cg"),
         jax.jit(reap(module_level_solve(lx, sowing_spd_operator), tag="cg")),
     ):
-        with pytest.raises(NotImplementedError, match=r"'sow'.*'linear_solve'.*would be lost"):
-            wrapped(b)
-    # With policy=IGNORE the solve runs, and only the sow inside is missing.
-    (value, _), reaped = reap(
-        module_level_solve(lx, sowing_spd_operator), tag="cg", policy=InterpreterPolicy.IGNORE
-    )(b)
-    assert_trees_equal(value, module_level_solve(lx, spd_operator)(b)[0], "reaped outputs")
-    assert reaped == {}
+        (value, _), reaped = wrapped(b)
+        assert_trees_equal(value, expected, "reaped outputs")
+        # The last vector CG applied the operator to, as the host callback saw it.
+        assert_trees_equal(reaped, {"v": jnp.asarray(last[-1])}, "reaped")
+
+
+def counting_spd_operator(v: jax.Array) -> jax.Array:
+    jax.debug.callback(lambda x: OPERATOR_CALLS.append(np.asarray(x)), v)
+    return SPD @ v
+
+
+OPERATOR_CALLS: list[np.ndarray] = []
 
 
 def test_lineax_count_module_level_operator(lx: ModuleType) -> None:
-    # kups cannot see into the solve (the operator is a Python function in its
-    # params): by default count_primitives says so; with IGNORE, `.opaque` does.
-    solve = module_level_solve(lx, spd_operator)
+    solve = module_level_solve(lx, counting_spd_operator)
     b = CG_ARGS[0]
+    OPERATOR_CALLS.clear()
     _, stats = solve(b)
-    assert int(stats["num_steps"]) > 1
-    with pytest.raises(NotImplementedError, match=r"primitive 'linear_solve' at .*IGNORE"):
-        count_primitives(solve)(b)
-    counts = count_and_compare(solve, b, policy=InterpreterPolicy.IGNORE)
-    assert counts.opaque == {"linear_solve": 1}
-    # What runs around the solve is counted; the operator's dot_general inside is not.
-    assert counts.get("dot_general", 0) == 0
+    expected = len(OPERATOR_CALLS)
+    assert expected >= int(stats["num_steps"]) > 1
+    OPERATOR_CALLS.clear()
+    counts = count_and_compare(solve, b)
+    assert counts["debug_callback"] == expected
+    assert counts["dot_general"] >= expected
+    assert counts.opaque == {}
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=LINEAR_SOLVE_OPAQUE)
+def sqrt_matvec(v: jax.Array, scale: jax.Array) -> jax.Array:
+    return jnp.sqrt(scale) * (SPD @ v)
+
+
 def test_lineax_find_nans(lx: ModuleType) -> None:
     b, scale = CG_ARGS
-    solve = cg_solver(lx, spd_matvec)
-    nan = jnp.float32(jnp.nan)
-    # lineax's CG hides a NaN operator: the solution comes out finite (zeros), so
-    # only report="first" can find where the NaN was made.
-    value, _ = solve(b, nan)
+    solve = cg_solver(lx, sqrt_matvec)
+    negative = jnp.float32(-1.0)
+    # The operator makes a NaN (the square root of -1) inside the solve, and
+    # lineax's CG hides it: the solution comes out finite, so only
+    # report="first" can find where the NaN was made.
+    value, _ = solve(b, negative)
     assert bool(jnp.all(jnp.isfinite(value)))
-    _, report = find_nans(solve, report="first")(b, nan)
-    assert report.found
-    assert report.source is not None and report.source.startswith("test_ecosystem.py:")
+    for wrapped in (find_nans(solve, report="first"), jax.jit(find_nans(solve, report="first"))):
+        out, report = wrapped(b, negative)
+        assert_trees_equal(out[0], value, "find_nans outputs")
+        assert report.found and report.kind == "nan" and report.primitive == "sqrt"
+        assert report.source is not None and report.source.startswith("test_ecosystem.py:")
+    # With a positive scale the operator makes none; the first non-finite value
+    # is an Inf that CG's own first iteration makes and throws away, in the
+    # library's code.
     _, report = find_nans(solve, report="first")(b, scale)
-    assert not report.found
+    assert report.found and report.kind == "inf"
+    assert report.path is not None and "site-packages" in report.path
+    assert_derivatives_through(find_nans, cg_solver(lx, spd_matvec), *CG_ARGS, argnums=1)
 
 
 # ---------------------------------------------------------------------------
@@ -521,7 +563,6 @@ def test_optimistix_sow_in_function(optx: ModuleType) -> None:
     assert_trees_equal(reaped, {"y": expected}, "reaped")
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=LINEAR_SOLVE_OPAQUE)
 def test_optimistix_find_nans(optx: ModuleType) -> None:
     y0, a = ROOT_ARGS
     poisoned = a.at[1].set(jnp.nan)

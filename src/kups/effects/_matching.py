@@ -114,7 +114,9 @@ def sub_jaxprs(eqn: JaxprEqn) -> tuple[Jaxpr, ...]:
     """The sub-programs a control-flow equation runs, as open jaxprs.
 
     Every jaxpr in the equation's params, wherever it sits (inside tuples, dicts
-    or equinox modules of a library primitive too); none for an equation whose
+    or equinox modules of a library primitive too); for a library primitive the
+    default dispatcher goes inside (lineax's `linear_solve`), its implementation,
+    which is what kups interprets; none for an equation whose
     only jaxprs are combiners (`scatter-add`'s `update_jaxpr`, `reduce`, `sort`).
     Effects use it to walk a program ahead of running it: which primitives it
     reaches, how deep its loops nest.
@@ -131,6 +133,11 @@ def sub_jaxprs(eqn: JaxprEqn) -> tuple[Jaxpr, ...]:
     assert any(e.primitive.name == "mul" for s in sub_jaxprs(loop) for e in s.eqns)
     ```
     """
+    from .handlers._library import entered_implementation  # which imports this module
+
+    implementation = entered_implementation(eqn)
+    if implementation is not None:  # what a library primitive kups enters runs
+        return (implementation.jaxpr,)
     if not is_control_flow(eqn):
         return ()
     return tuple(

@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 import jax
+from jax._src import source_info_util as _source_info_util
 from jax.extend.core import ClosedJaxpr, JaxprEqn
 
 from .. import _compat
@@ -64,7 +65,7 @@ def implementation(eqn: JaxprEqn) -> tuple[ClosedJaxpr | None, str]:
 
     traced: ClosedJaxpr | None = None
     try:
-        with _no_effect_watch():
+        with _no_effect_watch(), _live_traceback():
             jaxpr, out_avals, consts = _compat.trace_to_jaxpr(run, avals, primitive.name)
     except Exception as err:  # noqa: BLE001 - any failure to trace is the reason to report
         reason = (
@@ -84,6 +85,22 @@ def implementation(eqn: JaxprEqn) -> tuple[ClosedJaxpr | None, str]:
     return traced, reason
 
 
+class _live_traceback:
+    """The equations of an implementation are the library's lines, not the line
+    of the equation that binds the primitive (which the interpreter made the
+    current traceback): `user_context(None)` keeps the traceback it replaces,
+    so the context is set without one."""
+
+    def __enter__(self) -> None:
+        self.previous = _source_info_util._source_info_context.context
+        _source_info_util._source_info_context.context = _source_info_util.SourceInfo(
+            None, self.previous.name_stack
+        )
+
+    def __exit__(self, *exc: Any) -> None:
+        _source_info_util._source_info_context.context = self.previous
+
+
 class _no_effect_watch:
     """Tracing an implementation binds the effects inside it into the traced
     jaxpr, where the interpreter then sees them: nothing is lost, so an outer
@@ -100,15 +117,20 @@ class _no_effect_watch:
         UNSEEN.top = self.previous
 
 
-def enters(eqn: JaxprEqn) -> bool:
-    """Whether the default dispatcher goes inside `eqn` (a library primitive kups
-    enters by default, whose implementation traces)."""
+def entered_implementation(eqn: JaxprEqn) -> ClosedJaxpr | None:
+    """The traced implementation of `eqn` when the default dispatcher goes inside
+    it (a library primitive kups enters by default, whose implementation
+    traces); `None` otherwise."""
     from .._defaults import DEFAULT_HANDLERS  # which imports this module
 
-    return (
-        DEFAULT_HANDLERS.get(eqn.primitive.name) is default_library_primitive_handler
-        and implementation(eqn)[0] is not None
-    )
+    if DEFAULT_HANDLERS.get(eqn.primitive.name) is not default_library_primitive_handler:
+        return None
+    return implementation(eqn)[0]
+
+
+def enters(eqn: JaxprEqn) -> bool:
+    """Whether the default dispatcher goes inside `eqn`."""
+    return entered_implementation(eqn) is not None
 
 
 def default_library_primitive_handler(
