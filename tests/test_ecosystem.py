@@ -153,10 +153,12 @@ def assert_derivatives_through(
     *args: Any,
     argnums: int,
     exact: bool = True,
+    modes: tuple[str, ...] = ("jvp", "grad"),
 ) -> None:
-    """Forward (`jax.jvp`) and reverse (`jax.grad`) derivatives of `fn`'s first
-    output through `effect(fn)` (whose first output is `fn`'s outputs) equal plain
-    JAX's under `jit`: bit for bit, or (`exact=False`) to float32 rounding."""
+    """Forward (`jax.jvp`) and reverse (`jax.grad`) derivatives (those of `modes`)
+    of `fn`'s first output through `effect(fn)` (whose first output is `fn`'s
+    outputs) equal plain JAX's under `jit`: bit for bit, or (`exact=False`) to
+    float32 rounding."""
 
     def first(f: Callable[..., Any]) -> Callable[..., Any]:
         return lambda x: jax.tree.leaves(f(*args[:argnums], x, *args[argnums + 1 :])[0])[0]
@@ -165,13 +167,11 @@ def assert_derivatives_through(
     plain = first(fn)
     x = args[argnums]
     tangent = jnp.linspace(0.5, 1.5, x.size, dtype=x.dtype).reshape(x.shape)
-    results = [
-        (
-            jax.jit(lambda x, f=f: jax.jvp(f, (x,), (tangent,)))(x),
-            jax.jit(jax.grad(lambda x, f=f: jnp.sum(f(x) ** 2)))(x),
-        )
-        for f in (interpreted, plain)
-    ]
+    derivatives = {
+        "jvp": lambda f: jax.jit(lambda x: jax.jvp(f, (x,), (tangent,)))(x),
+        "grad": lambda f: jax.jit(jax.grad(lambda x: jnp.sum(f(x) ** 2)))(x),
+    }
+    results = [[derivatives[mode](f) for mode in modes] for f in (interpreted, plain)]
     if exact:
         assert_trees_equal(results[0], results[1], "jvp and grad")
     else:
@@ -305,6 +305,99 @@ def test_diffrax_sow_in_vector_field(dfx: ModuleType) -> None:
     assert_trees_equal(ys, ode_solver(dfx, decay)(*ODE_ARGS)[0], "reaped outputs")
     # Tsit5's last stage of the last step is at the step's end: t1.
     assert_trees_equal(reaped, {"t": jnp.float32(2.0)}, "reaped")
+
+
+def implicit_solver(
+    dfx: ModuleType,
+    vector_field: Callable[..., Any],
+    adjoint: Any = None,
+    *,
+    constant_steps: bool = False,
+) -> Callable[..., Any]:
+    """`ode_solver` with Kvaerno5, an implicit solver: each step solves its stages
+    with optimistix's Newton (chord) iterations, whose linear solves are
+    lineax's. The default adjoint is reverse-mode only (a `custom_vjp`). With
+    `constant_steps`, eight steps of 0.25 (so a NaN is not rejected: it reaches
+    the solution)."""
+    optx = library("optimistix", "optimistix")
+    if constant_steps:
+        root_finder = dfx.VeryChord(rtol=1e-5, atol=1e-5, norm=optx.max_norm)
+        solver, controller, dt0 = (
+            dfx.Kvaerno5(root_finder=root_finder),
+            dfx.ConstantStepSize(),
+            0.25,
+        )
+    else:
+        solver, controller, dt0 = dfx.Kvaerno5(), dfx.PIDController(rtol=1e-5, atol=1e-5), 0.1
+
+    def solve(y0: jax.Array, k: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+        solution = dfx.diffeqsolve(
+            dfx.ODETerm(vector_field),
+            solver,
+            t0=0.0,
+            t1=2.0,
+            dt0=dt0,
+            y0=y0,
+            args=k,
+            stepsize_controller=controller,
+            saveat=dfx.SaveAt(t1=True),
+            max_steps=64,
+            adjoint=dfx.RecursiveCheckpointAdjoint() if adjoint is None else adjoint,
+            throw=False,  # a failed solve hands back an error code, not an exception
+        )
+        return solution.ys, solution.stats
+
+    return solve
+
+
+def test_diffrax_implicit_count(dfx: ModuleType) -> None:
+    calls: list[np.ndarray] = []
+
+    def vector_field(t: jax.Array, y: jax.Array, k: jax.Array) -> jax.Array:
+        jax.debug.callback(lambda t: calls.append(np.asarray(t)), t)
+        return decay(t, y, k)
+
+    solve = implicit_solver(dfx, vector_field)
+    _, stats = solve(*ODE_ARGS)
+    expected = len(calls)
+    assert int(stats["num_steps"]) > 2 and expected > int(stats["num_steps"])
+    calls.clear()
+    counts = count_and_compare(solve, *ODE_ARGS)
+    # Without kups: the host callback ran once each time the vector field did
+    # (inside the Newton iterations and the Jacobians of the linear solves too),
+    # and the vector field runs one `sin`.
+    assert counts["debug_callback"] == expected
+    assert counts["sin"] == expected
+    # The LU factorisations of the stages' linear solves are counted.
+    assert counts["lu"] >= int(stats["num_steps"])
+    assert counts.opaque == {}
+    reverse = implicit_solver(dfx, decay)
+    assert_derivatives_through(count_primitives, reverse, *ODE_ARGS, argnums=1, modes=("grad",))
+    forward = implicit_solver(dfx, decay, dfx.ForwardMode())
+    assert_derivatives_through(count_primitives, forward, *ODE_ARGS, argnums=1, modes=("jvp",))
+
+
+def test_diffrax_implicit_find_nans(dfx: ModuleType) -> None:
+    def vector_field(t: jax.Array, y: jax.Array, k: jax.Array) -> jax.Array:
+        return -jnp.sqrt(k) * y + jnp.sin(t)
+
+    solve = implicit_solver(dfx, vector_field, constant_steps=True)
+    y0, k = ODE_ARGS
+    negative = jnp.float32(-0.7)
+    ys, _ = solve(y0, negative)
+    assert not bool(jnp.any(jnp.isfinite(ys)))
+    out, report = jax.jit(find_nans(solve))(y0, negative)
+    assert_trees_equal(out, jax.jit(solve)(y0, negative), "find_nans outputs")
+    # Made in the vector field, which the implicit stages (and the Jacobians of
+    # their linear solves) run.
+    assert report.found and report.kind == "nan" and report.primitive == "sqrt"
+    assert report.source is not None and report.source.startswith("test_ecosystem.py:")
+    out, report = jax.jit(find_nans(solve))(y0, k)
+    assert_trees_equal(out, jax.jit(solve)(y0, k), "find_nans outputs")
+    assert not report.found
+    assert_derivatives_through(
+        find_nans, implicit_solver(dfx, decay), *ODE_ARGS, argnums=1, modes=("grad",), exact=False
+    )
 
 
 # ---------------------------------------------------------------------------
