@@ -157,24 +157,23 @@ def test_implementation_runs_as_often_as_in_plain_jax(transform: Any) -> None:
     assert runs_of(transform, through_kups=True) == expected
 
 
-def test_sow_inside_reaches_reap() -> None:
-    def sowing_solve_fn(a: jax.Array, b: jax.Array) -> jax.Array:
-        return jnp.linalg.solve(a, sow(b, tag="lib", name="rhs"))
-
+def test_python_function_primitive_entered_once_registered() -> None:
+    # A primitive that holds a Python function (no jaxpr), as lineax's solve does
+    # with a module-level operator: opaque by default, entered once the handler is
+    # registered for its name.
     def fn(b: jax.Array) -> jax.Array:
-        (x,) = library_fn_call(lambda b: (sowing_solve_fn(A, b),), b)
+        (x,) = library_fn_call(lambda b: (jnp.linalg.solve(A, sow(b, tag="lib", name="rhs")),), b)
         return x
 
-    dispatcher_names = ("library_fn_call",)
-    harvest = reap(fn, tag="lib", policy=InterpreterPolicy.IGNORE)
-    # reap's own dispatcher does not enter the test primitive: the sow is lost.
-    assert harvest(B)[1] == {}
-    # An interpreter that enters it sees the sow as an equation of the program.
     closed = jax.make_jaxpr(fn)(B)
     (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "library_fn_call"]
-    assert not sub_jaxprs(eqn)  # a Python function, no jaxpr: opaque by default
-    assert is_library_primitive(eqn)
-    out, lus = reinterpret(fn, entering(*dispatcher_names))(0, B)
+    assert is_library_primitive(eqn) and not sub_jaxprs(eqn)
+    # reap's dispatcher does not enter it: the sow is lost (reported, or ignored).
+    with pytest.raises(NotImplementedError, match="would be lost"):
+        reap(fn, tag="lib")(B)
+    assert reap(fn, tag="lib", policy=InterpreterPolicy.IGNORE)(B)[1] == {}
+    # An interpreter that enters it counts the LU inside.
+    out, lus = reinterpret(fn, entering("library_fn_call"))(0, B)
     assert int(lus) == 1
     assert_equal(out, fn(B))
 
