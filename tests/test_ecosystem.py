@@ -479,6 +479,18 @@ def test_lineax_count(lx: ModuleType) -> None:
     assert_derivatives_through(count_primitives, cg_solver(lx, spd_matvec), *CG_ARGS, argnums=1)
 
 
+def test_lineax_count_batched(lx: ModuleType) -> None:
+    # Under jax.vmap lineax's solve becomes equinox's `vprim`, which kups enters too.
+    b, scale = CG_ARGS
+    solve = jax.vmap(cg_solver(lx, spd_matvec), (0, None))
+    bs = jnp.stack([b, 2.0 * b, -b])
+    closed = jax.make_jaxpr(solve)(bs, scale)
+    assert static_count(closed, "vprim") == 1
+    counts = count_and_compare(solve, bs, scale)
+    assert counts["dot_general"] > 0 and counts.opaque == {}
+    assert_derivatives_through(count_primitives, solve, bs, scale, argnums=1)
+
+
 def test_lineax_sow_in_operator(lx: ModuleType) -> None:
     calls: list[np.ndarray] = []
     cg_solver(lx, counting_matvec(calls))(*CG_ARGS)

@@ -93,7 +93,9 @@ def rule_tangents(
         rule_tangents = [
             next(given) if p else ad.Zero(a.to_tangent_aval()) for a, p in zip(avals, perturbed)
         ]
-        _, out_tangents = rule(list(args[:num_primals]), rule_tangents, **eqn.params)
+        # Tuples, as JAX passes them (equinox's `vprim` rule vmaps over them with
+        # its params' batch axes, a tuple).
+        _, out_tangents = rule(tuple(args[:num_primals]), tuple(rule_tangents), **eqn.params)
         if not primitive.multiple_results:
             out_tangents = [out_tangents]
         zero_outs.extend(type(t) is ad.Zero for t in out_tangents)
