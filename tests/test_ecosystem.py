@@ -571,6 +571,41 @@ def test_lineax_count_module_level_operator(lx: ModuleType) -> None:
     assert counts.opaque == {}
 
 
+@pytest.mark.parametrize("operator", ["closure", "module_level"])
+def test_lineax_count_in_cond(lx: ModuleType, operator: str) -> None:
+    # A solve in one branch of a cond: every key its inside can count (CG's loop,
+    # the operator's callback and matrix product) enters the cond first, so that
+    # both branches return the same counts, and only the branch taken counts. A
+    # module-level operator leaves no jaxpr in the solve's params: its inside is
+    # found in the solve's implementation.
+    if operator == "closure":
+        solve = cg_solver(lx, lambda v, scale: counting_spd_operator(scale * v))
+    else:
+        module_solve = module_level_solve(lx, counting_spd_operator)
+        solve = lambda b, scale: module_solve(scale * b)  # noqa: E731
+
+    def f(b: jax.Array, scale: jax.Array) -> jax.Array:
+        return jax.lax.cond(scale > 0, lambda: solve(b, scale)[0], lambda: jnp.sin(b))
+
+    OPERATOR_CALLS.clear()
+    _, stats = solve(*CG_ARGS)
+    expected = len(OPERATOR_CALLS)
+    assert expected >= int(stats["num_steps"]) > 1
+    OPERATOR_CALLS.clear()
+    counts = count_and_compare(f, *CG_ARGS)
+    assert counts["debug_callback"] == expected
+    assert counts["dot_general"] >= expected
+    assert counts["sin"] == 0 and counts.opaque == {}
+    assert "linear_solve" not in counts
+    jit_out, jit_counts = jax.jit(count_primitives(f))(*CG_ARGS)
+    assert_trees_equal(jit_out, jax.jit(f)(*CG_ARGS), "jit outputs")
+    assert {name: int(count) for name, count in jit_counts.items()} == counts
+    # The other branch: the solve's keys are there, at zero.
+    counts = count_and_compare(f, CG_ARGS[0], -CG_ARGS[1])
+    assert counts["sin"] == 1 and counts["debug_callback"] == 0 and counts["dot_general"] == 0
+    assert_derivatives_through(count_primitives, f, *CG_ARGS, argnums=1)
+
+
 def sqrt_matvec(v: jax.Array, scale: jax.Array) -> jax.Array:
     return jnp.sqrt(scale) * (SPD @ v)
 
