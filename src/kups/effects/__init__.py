@@ -36,6 +36,9 @@ from .handlers import (
 from .handlers import default_custom_vjp_handler as default_custom_vjp_handler
 from .handlers import default_custom_vmap_handler as default_custom_vmap_handler
 from .handlers import default_jit_handler as default_jit_handler
+from .handlers import (
+    default_library_primitive_handler as default_library_primitive_handler,
+)
 from .handlers import default_primitive_handler as default_primitive_handler
 from .handlers import default_remat_opt_handler as default_remat_opt_handler
 from .handlers import default_scan_handler as default_scan_handler
@@ -77,6 +80,7 @@ __all__ = [
     "default_custom_vmap_handler",
     "default_dispatcher",
     "default_jit_handler",
+    "default_library_primitive_handler",
     "default_primitive_handler",
     "default_remat_opt_handler",
     "default_scan_handler",

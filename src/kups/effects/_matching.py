@@ -12,6 +12,7 @@ import jax.extend.random
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from . import _compat
+from ._library_impl import entered_implementation, enters
 
 # Primitives whose jaxpr parameters are combiners (how to add two elements, how to
 # compare them), not sub-programs of the user's: they are re-bound as they are.
@@ -114,7 +115,9 @@ def sub_jaxprs(eqn: JaxprEqn) -> tuple[Jaxpr, ...]:
     """The sub-programs a control-flow equation runs, as open jaxprs.
 
     Every jaxpr in the equation's params, wherever it sits (inside tuples, dicts
-    or equinox modules of a library primitive too); none for an equation whose
+    or equinox modules of a library primitive too); for a library primitive the
+    default dispatcher goes inside (lineax's `linear_solve`), its traced
+    implementation, which is what kups interprets; none for an equation whose
     only jaxprs are combiners (`scatter-add`'s `update_jaxpr`, `reduce`, `sort`).
     Effects use it to walk a program ahead of running it: which primitives it
     reaches, how deep its loops nest.
@@ -131,6 +134,9 @@ def sub_jaxprs(eqn: JaxprEqn) -> tuple[Jaxpr, ...]:
     assert any(e.primitive.name == "mul" for s in sub_jaxprs(loop) for e in s.eqns)
     ```
     """
+    implementation = entered_implementation(eqn)
+    if implementation is not None:  # what a library primitive kups enters runs
+        return (implementation.jaxpr,)
     if not is_control_flow(eqn):
         return ()
     return tuple(
@@ -184,7 +190,9 @@ def is_library_primitive(eqn: JaxprEqn) -> bool:
 
     Such a primitive runs code kups cannot see before it runs: an effect bound
     inside it is out of the interpreter's sight. Effects that must enter every
-    sub-program (counting, checking) treat it as opaque.
+    sub-program (counting, checking) treat it as opaque. False for the library
+    primitives the default dispatcher goes inside (lineax's `linear_solve`):
+    `sub_jaxprs` gives what they run.
 
     **Example:**
 
@@ -197,7 +205,7 @@ def is_library_primitive(eqn: JaxprEqn) -> bool:
     assert not any(is_library_primitive(eqn) for eqn in closed.jaxpr.eqns)
     ```
     """
-    return holds_functions(eqn, _compat.KNOWN_PARAMS)
+    return holds_functions(eqn, _compat.KNOWN_PARAMS) and not enters(eqn)
 
 
 def holds_functions(eqn: JaxprEqn, known: frozenset[str] | set[str] | dict[str, Any]) -> bool:

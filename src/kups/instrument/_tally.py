@@ -159,13 +159,16 @@ def _keys_in(program: Jaxpr | ClosedJaxpr, key_of: KeyOf) -> _Keys:
             if is_library_primitive(eqn):
                 # A library primitive running Python functions kups cannot see.
                 opaque[name] = eqn.primitive
-            elif not contains_subjaxprs(None, eqn, []):
-                counted.add(key_of(eqn))
-            elif name in _interpreted():
-                for sub in sub_jaxprs(eqn):
+            elif name in _interpreted() and (subs := sub_jaxprs(eqn)):
+                # JAX's control flow, and the library primitives kups goes inside
+                # (lineax's `linear_solve`, even one with no jaxpr in its params):
+                # what they run is counted, not the equation itself.
+                for sub in subs:
                     inner = _keys_in(sub, key_of)
                     counted |= inner.counted
                     opaque.update(inner.opaque)
+            elif not contains_subjaxprs(None, eqn, []):
+                counted.add(key_of(eqn))
             else:
                 opaque[name] = eqn.primitive
         keys = by_key_of[key_of] = _Keys(frozenset(counted), opaque)

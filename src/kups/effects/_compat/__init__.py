@@ -24,6 +24,7 @@ from ._core import register_traceback_exclusion as register_traceback_exclusion
 from ._core import typematch as typematch
 from ._core import user_context as user_context
 from ._core import user_frames as user_frames
+from ._core import without_traceback as without_traceback
 from ._core import wrapped_in as wrapped_in
 from ._jaxprs import call_jaxpr as call_jaxpr
 from ._jaxprs import close_over as close_over

@@ -8,7 +8,8 @@ them; a helper that serves fewer releases names them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -80,6 +81,21 @@ def wrapped_in(fun: Any, around: Callable[[], Any]) -> Any:
 # and `eqn.ctx.manager`, as `jax.core.eval_jaxpr` runs it (JAX 0.10).
 user_context = _source_info_util.user_context
 current_name_stack = _source_info_util.current_name_stack
+
+
+@contextlib.contextmanager
+def without_traceback() -> Iterator[None]:
+    """Traces inside with no current traceback, the name stack kept: equations
+    then get the lines of the code that binds them, not those of an enclosing
+    `user_context(traceback)` (which would replace them; JAX 0.10 to 0.12)."""
+    previous = _source_info_util._source_info_context.context
+    _source_info_util._source_info_context.context = _source_info_util.SourceInfo(
+        None, previous.name_stack
+    )
+    try:
+        yield
+    finally:
+        _source_info_util._source_info_context.context = previous
 
 
 # The frames of a traceback that JAX counts as the user's (those of files not

@@ -7,6 +7,9 @@ from ._custom_batching import default_custom_vmap_handler as default_custom_vmap
 from ._custom_derivatives import default_custom_jvp_handler as default_custom_jvp_handler
 from ._custom_derivatives import default_custom_vjp_handler as default_custom_vjp_handler
 from ._jit import default_jit_handler as default_jit_handler
+from ._library import (
+    default_library_primitive_handler as default_library_primitive_handler,
+)
 from ._linear_solve import (
     default_custom_linear_solve_handler as default_custom_linear_solve_handler,
 )
@@ -26,6 +29,7 @@ __all__ = [
     "default_custom_vjp_handler",
     "default_custom_vmap_handler",
     "default_jit_handler",
+    "default_library_primitive_handler",
     "default_primitive_handler",
     "default_remat_opt_handler",
     "default_scan_handler",
