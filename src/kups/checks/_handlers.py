@@ -18,7 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend.core import JaxprEqn, jaxprs_in_params
+from jax.extend.core import JaxprEqn
 
 from kups.effects import (
     Handler,
@@ -224,9 +224,7 @@ def _scoped(handler: Handler) -> Handler:
         interpreter: Interpreter, ctx: _Ctx, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
         relative = [
-            info
-            for jaxpr in jaxprs_in_params(eqn.params)
-            for info, *_ in _relative_sites(jaxpr, ctx.kinds)
+            info for jaxpr in sub_jaxprs(eqn) for info, *_ in _relative_sites(jaxpr, ctx.kinds)
         ]
         if not relative:
             return default_primitive_handler(interpreter, ctx, eqn, invals)

@@ -11,9 +11,9 @@ import dataclasses
 import weakref
 from collections.abc import Hashable, Iterable, Iterator
 
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
-from kups.effects import contains_subjaxprs, shard_map_axes
+from kups.effects import shard_map_axes, sub_jaxprs
 
 from ._automatic import _UNKNOWN, _AutoCheck, _automatic_checks, _eqn_location, automatic_checks
 from ._check import _check_p
@@ -47,11 +47,11 @@ def _walk(jaxpr: Jaxpr, kinds: frozenset[str]) -> Iterator[_RelativeSite]:
         if eqn.primitive is _check_p:
             if "user" in kinds:
                 yield eqn.params["site"], 0, (), _batch_ndim(eqn)
-        elif contains_subjaxprs(None, eqn, []):
+        elif subs := sub_jaxprs(eqn):
             loops = 1 if name in ("scan", "while") else 0
             axes = shard_map_axes(eqn)[1] if name == "shard_map" else ()
             location = _eqn_location(eqn)
-            for sub in jaxprs_in_params(eqn.params):
+            for sub in subs:
                 for info, num_loops, shard_axes, batch_ndim in _relative_sites(sub, kinds):
                     info = _located(info, location)
                     yield info, num_loops + loops, (*axes, *shard_axes), batch_ndim
