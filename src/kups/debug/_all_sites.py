@@ -78,7 +78,8 @@ class _AllSitesRecorder:
         new = jax.lax.concatenate([count, first], 2)
         return jax.lax.dynamic_update_slice(record, new, (site, 0, 0))
 
-    def reduce(self, record: Any, own: Any, manual: tuple[Any, ...]) -> Any:
+    def reduce(self, record: Any, position: Any, own: Any, manual: tuple[Any, ...]) -> Any:
+        del position
         found = record[..., 0] > 0
         keys = [record[..., 2 + d] for d in range(record.shape[-1] - 2)]
         chosen = _first_shard(found, keys, own, manual)

@@ -83,9 +83,9 @@ class _Recorder(Protocol):
         `stamp`: `[shard, iteration of each loop...]` (see `_stamp`)."""
         ...
 
-    def reduce(self, record: Any, own: Any, manual: tuple[Any, ...]) -> Any:
+    def reduce(self, record: Any, position: Position, own: Any, manual: tuple[Any, ...]) -> Any:
         """Every shard's `record` combined over the `manual` axes (the same result on
-        every shard); `own` is the shard's index in the mesh."""
+        every shard); `position` is the shard's, `own` its index in the mesh."""
         ...
 
     def merge(self, outer: Any, inner: Any) -> Any:
@@ -285,7 +285,9 @@ def _reduce_shards(
 
     def reduce_ctx(state: _State) -> _State:
         own = _mesh_index(state.position, state.scope.mesh_axes)
-        return leaving(state._replace(record=recorder.reduce(state.record, own, manual)))
+        return leaving(
+            state._replace(record=recorder.reduce(state.record, state.position, own, manual))
+        )
 
     return reduce_ctx
 
