@@ -1,10 +1,12 @@
-"""Where an equation runs: how deep loops nest around it, and which shard.
+"""Where an equation runs, for what the toolkit's `Position` does not cover.
 
-The position and shard machinery of `kups.debug` in one place: loop depths of
-sub-programs (to give loop carries a fixed shape), each shard's index in the
-mesh as a value sharded into a `shard_map` body (no `axis_index` needed: JAX
-before 0.10.2 cannot lower one inside a nested `shard_map`), and collectives
-in one round (`reduce_shards`).
+`report="first"` and `nan_sites` keep the toolkit's `Position`; what is here
+serves the `report="reaching"` walk, whose packed position array orders NaN
+origins, and the per-site records of `nan_sites`: loop depths of sub-programs
+(to give loop carries a fixed shape), each shard's index in the mesh as a value
+sharded into a `shard_map` body (no `axis_index` needed: JAX before 0.10.2
+cannot lower one inside a nested `shard_map`), a shard's coordinates from that
+index, and the first shard elementwise (`reduce_shards` rounds).
 """
 
 from __future__ import annotations
