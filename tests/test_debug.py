@@ -14,6 +14,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+import kups.effects
 from kups import debug
 from kups.debug import NanReport, find_nans
 
@@ -97,6 +98,16 @@ def test_no_nan():
     assert report.iteration is None
     assert report.shard is None
     assert repr(report) == "NanReport(found=False)"
+    assert report.message is None
+
+
+def test_report_is_a_toolkit_report_with_its_fields():
+    _, nan = find_nans(lambda x: jnp.log(x))(jnp.float32(-1.0))  # log-and-div
+    _, inf = find_nans(lambda x: 1.0 / x)(jnp.float32(0.0))
+    assert isinstance(nan, kups.effects.Report)
+    assert (nan.message, nan.primitive, nan.kind) == ("log made a NaN", "log", "nan")
+    assert (inf.message, inf.primitive, inf.kind) == ("div made an Inf", "div", "inf")
+    assert nan.path == __file__ and nan.source == line_of("log-and-div")
 
 
 def test_only_the_first_equation_is_reported():

@@ -29,6 +29,7 @@ from kups.effects.toolkit import (
     first_across_shards,
     first_index,
     hide_frames,
+    reduce_shards,
     source_of,
     track_position,
 )
@@ -323,3 +324,40 @@ def test_a_function_called_from_two_lines_is_interpreted_once():
     # The position's fallback line is part of the context's structure; it stays
     # the same where nothing inside needs it, so the body cache serves both calls.
     assert _RECORDED.count("called twice") - before == 1
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no-vma"])
+@pytest.mark.parametrize("op", ["sum", "min", "max"])
+def test_reduce_shards_over_all_manual_axes_in_one_round(op, check_vma):
+    mesh = _mesh(AxisType.Auto)
+    numpy_op = {"sum": np.sum, "min": np.min, "max": np.max}[op]
+
+    def body(block, column):
+        # `block` varies over both axes, `column` over "y" only, `one` over none.
+        one = jnp.float32(1.0)
+        return jnp.stack(
+            [reduce_shards(v, ("x", "y"), op=op) for v in (block.sum(), column.sum(), one)]
+        )[None]
+
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P("x", "y"), P("y")), out_specs=P(), check_vma=check_vma
+        )
+    )
+    x = jnp.arange(8 * 4, dtype=jnp.float32).reshape(8, 4) ** 2
+    column = jnp.arange(4, dtype=jnp.float32) * 3 + 1
+    out = np.asarray(f(x, column))[0]
+    blocks = np.asarray(x).reshape(4, 2, 2, 2).transpose(0, 2, 1, 3).sum((2, 3))
+    shards_x = mesh.shape["x"]
+    columns = np.tile(np.asarray(column).reshape(2, 2).sum(1), (shards_x, 1))
+    ones = np.ones((shards_x, 2), np.float32)
+    np.testing.assert_array_equal(out, [numpy_op(v) for v in (blocks, columns, ones)])
+    jaxpr = str(jax.make_jaxpr(f)(x, column))
+    # One collective per value, over both axes at once.
+    collective = {"sum": "psum", "min": "pmin", "max": "pmax"}[op]
+    # (psum appears as psum_invariant under check_vma.)
+    rounds = [line for line in jaxpr.splitlines() if f"= {collective}" in line]
+    assert len(rounds) == 3 and all("axes=('x', 'y')" in line for line in rounds), jaxpr
+    assert reduce_shards(jnp.zeros((0,)), ()).shape == (0,)
+    with pytest.raises(ValueError, match="op is one of"):
+        reduce_shards(jnp.float32(1.0), ("x",), op="mean")

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Jaxpr
 
-from kups.effects import sub_jaxprs
+from kups.effects import reduce_shards, sub_jaxprs
 
-from ._position import _all_axes, _first_shard, _pick
+from ._position import _first_shard, _pick
 from ._sites import _is_float_aval
 
 _CAPACITY: weakref.WeakKeyDictionary[Jaxpr, int] = weakref.WeakKeyDictionary()
@@ -78,11 +78,12 @@ class _AllSitesRecorder:
         new = jax.lax.concatenate([count, first], 2)
         return jax.lax.dynamic_update_slice(record, new, (site, 0, 0))
 
-    def reduce(self, record: Any, own: Any, manual: tuple[Any, ...]) -> Any:
+    def reduce(self, record: Any, position: Any, own: Any, manual: tuple[Any, ...]) -> Any:
+        del position
         found = record[..., 0] > 0
         keys = [record[..., 2 + d] for d in range(record.shape[-1] - 2)]
         chosen = _first_shard(found, keys, own, manual)
-        count = _all_axes(jax.lax.psum, jnp.where(own >= 0, record[..., 0], 0), manual)
+        count = reduce_shards(jnp.where(own >= 0, record[..., 0], 0), manual, op="sum")
         first = jnp.where((count > 0)[..., None], _pick(chosen, record[..., 1:], manual), -1)
         return jnp.concatenate([count[..., None], first], -1)
 

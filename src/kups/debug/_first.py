@@ -4,7 +4,7 @@ A recorder of the walk (`_walk.py`): the record keeps the first failing site, an
 whether it made a NaN, its shard and its loop iterations. Within one shard the
 first check that fails is kept; across shards, the record of the earliest loop
 iterations (outermost first), then the earliest site in program order, then the
-first shard in mesh order.
+first shard in mesh order (the toolkit's `first_across_shards`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Jaxpr
 
-from ._position import _first_shard, _pick
+from kups.effects import event_order, first_across_shards
 
 
 class _First(NamedTuple):
@@ -68,17 +68,13 @@ class _FirstRecorder:
             ),
         )
 
-    def reduce(self, record: _First, own: Any, manual: tuple[Any, ...]) -> _First:
-        found = record.site >= 0
-        keys = [*(record.iterations[d] for d in range(record.iterations.shape[0])), record.site]
-        chosen = _first_shard(found, keys, own, manual)
-        any_found = _pick(chosen, jnp.int32(1), manual) > 0
-        return _First(
-            site=jnp.where(any_found, _pick(chosen, record.site, manual), -1),
-            nan=_pick(chosen, record.nan.astype(jnp.int32), manual) > 0,
-            shard=jnp.where(any_found, _pick(chosen, record.shard, manual), -1),
-            iterations=jnp.where(any_found, _pick(chosen, record.iterations, manual), -1),
+    def reduce(self, record: _First, position: Any, own: Any, manual: tuple[Any, ...]) -> _First:
+        del own, manual
+        order = event_order(record.iterations, record.site, record.iterations.shape[0])
+        first, _ = first_across_shards(
+            record, happened=record.site >= 0, order=order, position=position
         )
+        return first
 
     def merge(self, outer: _First, inner: _First) -> _First:
         keep = outer.site >= 0

@@ -1,23 +1,23 @@
-"""Where an equation runs: how deep loops nest around it, and which shard.
+"""Where an equation runs, for what the toolkit's `Position` does not cover.
 
-The position and shard machinery of `kups.debug` in one place: loop depths of
-sub-programs (to give loop carries a fixed shape), each shard's index in the
-mesh as a value sharded into a `shard_map` body (no `axis_index` needed: JAX
-before 0.10.2 cannot lower one inside a nested `shard_map`), and collectives
-one axis at a time.
+`report="first"` and `nan_sites` keep the toolkit's `Position`; what is here
+serves the `report="reaching"` walk, whose packed position array orders NaN
+origins, and the per-site records of `nan_sites`: loop depths of sub-programs
+(to give loop carries a fixed shape), each shard's index in the mesh as a value
+sharded into a `shard_map` body (no `axis_index` needed: JAX before 0.10.2
+cannot lower one inside a nested `shard_map`), a shard's coordinates from that
+index, and the first shard elementwise (`reduce_shards` rounds).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax.extend.core import Jaxpr, JaxprEqn
 
-from kups.effects import sub_jaxprs
+from kups.effects import reduce_shards, sub_jaxprs
 
 # A shard key larger than any shard's linear index: "no NaN on this shard".
 _NO_SHARD = 2**31 - 1
@@ -44,19 +44,6 @@ def _loop_depth(jaxpr: Jaxpr) -> int:
         depth = max((_eqn_loop_depth(eqn) for eqn in jaxpr.eqns), default=0)
         _LOOP_DEPTH[jaxpr] = depth
     return depth
-
-
-def _all_axes(reduce: Callable[[Any, Any], Any], value: Any, axes: tuple[Any, ...]) -> Any:
-    # One axis at a time: a collective over an axis tuple along some of which the
-    # value is varying and along others invariant is an error in JAX 0.10.
-    if value.size == 0:
-        # Nothing to reduce (the iterations outside any loop). A fresh constant is
-        # what the collective would give, invariant; XLA 0.11.2 crashes compiling
-        # a collective over an empty array.
-        return jnp.zeros(value.shape, value.dtype)
-    for axis in axes:
-        value = reduce(value, axis)
-    return value
 
 
 def _shard_indices(
@@ -115,7 +102,7 @@ def _first_shard(found: Any, keys: list[Any], own: Any, manual: tuple[Any, ...])
     chosen = found & (own >= 0)
     for key in (*keys, own):
         value = jnp.where(chosen, key, _NO_SHARD)
-        chosen = chosen & (value == _all_axes(jax.lax.pmin, value, manual))
+        chosen = chosen & (value == reduce_shards(value, manual, op="min"))
     return chosen
 
 
@@ -123,4 +110,4 @@ def _pick(chosen: Any, value: Any, manual: tuple[Any, ...]) -> Any:
     """`value` of the shard where `chosen` (elementwise over `chosen`'s shape,
     leading axes of `value`), on every shard; 0 where no shard is chosen."""
     mask = chosen.reshape(chosen.shape + (1,) * (value.ndim - chosen.ndim))
-    return _all_axes(jax.lax.psum, jnp.where(mask, value, jnp.zeros_like(value)), manual)
+    return reduce_shards(jnp.where(mask, value, jnp.zeros_like(value)), manual, op="sum")

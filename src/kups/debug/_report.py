@@ -12,11 +12,13 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
+from kups.effects import Event, Report, first_index
+
 from ._position import _shard_coordinates
 from ._sites import _Site
 
 
-class NanReport:
+class NanReport(Report):
     """Where a program made the NaN or Inf that `find_nans` reports: with
     `report="reaching"` the first one that reaches an output, with
     `report="first"` the first one made anywhere.
@@ -31,6 +33,7 @@ class NanReport:
     - `found`: whether an equation made a NaN or an Inf (that reaches an output,
       for `"reaching"`); a traced boolean inside `jax.jit`, the only property
       that can be read there.
+    - `message`: what it was (`"sqrt made a NaN"`), or `None`.
     - `primitive`: the name of that equation's primitive, or `None`.
     - `source`: `"file.py:LINE"` of the user's code that produced it, or `None`.
       When JAX kept no user frame for the equation (a `jnp` function passed as
@@ -93,26 +96,27 @@ class NanReport:
         self._iterations = iterations
         self._sites = sites
 
-    def _one(self, what: str) -> NanReport:
-        """This report, or for a batched one (as `jax.vmap` returns it) its first
-        event: the lowest batch index that found one."""
-        if isinstance(self._site, Tracer):
-            raise TypeError(
-                f"NanReport.{what} needs concrete values, but this report holds traced "
-                f"ones (it is used inside jax.jit or another transformation). Return the "
-                f"report from the jitted function and read {what} outside."
-            )
-        if np.ndim(self._site) == 0:
-            return self
-        batch = np.shape(self._site)
-        found = np.flatnonzero(np.asarray(self._site).reshape(-1) >= 0)
-        index = np.unravel_index(int(found[0]) if found.size else 0, batch)
-        return jax.tree.map(lambda leaf: np.asarray(leaf)[index], self)
-
-    def _concrete_site(self, what: str) -> tuple[NanReport, _Site | None]:
-        one = self._one(what)
+    def _one(self) -> tuple[NanReport, _Site | None]:
+        """This report (for a batched one, as `jax.vmap` returns it, its first
+        event: the lowest batch index that found one) and its site, if any."""
+        one = self
+        if np.ndim(self._site) > 0:
+            index = first_index(np.asarray(self._site) >= 0) or (0,) * np.ndim(self._site)
+            one = jax.tree.map(lambda leaf: np.asarray(leaf)[index], self)
         index = int(one._site)
         return one, (self._sites[index] if index >= 0 else None)
+
+    def _first_event(self) -> Event | None:
+        one, site = self._one()
+        if site is None:
+            return None
+        source = None if site.file is None else f"{os.path.basename(site.file)}:{site.line}"
+        iteration = tuple(int(i) for i in np.asarray(one._iterations)[: site.loop_depth])
+        shard = None
+        if site.manual_axes:
+            shard = _shard_coordinates(int(one._shard), site.manual_axes, site.mesh_axes)
+        made = "a NaN" if bool(one._nan) else "an Inf"
+        return Event(f"{site.primitive} made {made}", site.primitive, source, iteration, shard)
 
     @property
     def found(self) -> Any:
@@ -121,43 +125,18 @@ class NanReport:
         return bool((np.asarray(self._site) >= 0).any())
 
     @property
-    def primitive(self) -> str | None:
-        _, site = self._concrete_site("primitive")
-        return site.primitive if site is not None else None
-
-    @property
-    def source(self) -> str | None:
-        _, site = self._concrete_site("source")
-        if site is None or site.file is None:
-            return None
-        return f"{os.path.basename(site.file)}:{site.line}"
-
-    @property
     def path(self) -> str | None:
         """The full path of the file of `source`, or `None`."""
-        _, site = self._concrete_site("path")
-        return site.file if site is not None else None
+        if self._event("path") is None:
+            return None
+        site = self._one()[1]
+        return None if site is None else site.file
 
     @property
     def kind(self) -> str | None:
-        one, site = self._concrete_site("kind")
-        if site is None:
+        if self._event("kind") is None:
             return None
-        return "nan" if bool(one._nan) else "inf"
-
-    @property
-    def iteration(self) -> tuple[int, ...] | None:
-        one, site = self._concrete_site("iteration")
-        if site is None:
-            return None
-        return tuple(int(i) for i in np.asarray(one._iterations)[: site.loop_depth])
-
-    @property
-    def shard(self) -> dict[Any, int] | None:
-        one, site = self._concrete_site("shard")
-        if site is None or not site.manual_axes:
-            return None
-        return _shard_coordinates(int(one._shard), site.manual_axes, site.mesh_axes)
+        return "nan" if bool(self._one()[0]._nan) else "inf"
 
     def _fields(self) -> list[tuple[str, str]]:
         if not self.found:
@@ -177,22 +156,14 @@ class NanReport:
             fields.append(("shard", ", ".join(f"{name}={i}" for name, i in shard.items())))
         return fields
 
-    def _opaque(self) -> str | None:
-        """What this report holds when it cannot be read: traced or batched values."""
-        if isinstance(self._site, Tracer):
-            return "<traced>"
-        return None
-
     def __repr__(self) -> str:
-        opaque = self._opaque()
-        if opaque is not None:
-            return f"NanReport({opaque})"
+        if self._is_traced():
+            return "NanReport(<traced>)"
         return "NanReport(" + ", ".join(f"{k}={v}" for k, v in self._fields()) + ")"
 
     def _repr_html_(self) -> str:
-        opaque = self._opaque()
-        if opaque is not None:
-            return f"<code>NanReport({html.escape(opaque)})</code>"
+        if self._is_traced():
+            return "<code>NanReport(&lt;traced&gt;)</code>"
         rows = "".join(
             f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
             for k, v in self._fields()

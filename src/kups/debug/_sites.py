@@ -71,7 +71,7 @@ class _Sites:
         self.enclosing: list[tuple[str, int]] = []
 
     def add(self, eqn: JaxprEqn, state: Any) -> int:
-        return self.add_at(eqn, len(state.counters), state.scope)
+        return self.add_at(eqn, state.position.depth, state.scope)
 
     def add_at(self, eqn: JaxprEqn, loop_depth: int, scope: _Scope) -> int:
         """Registers `eqn` as a site inside `loop_depth` loops, in `scope`."""

@@ -24,10 +24,11 @@ from kups.effects import (
     default_scan_handler,
     default_shard_map_handler,
     default_while_handler,
+    reduce_shards,
     shard_map_axes,
 )
 
-from ._position import _all_axes, _loop_start, _shard_indices, _spec_names
+from ._position import _loop_start, _shard_indices, _spec_names
 from ._report import NanReport
 from ._sites import _located, _Sites
 from ._taint_origin import (
@@ -196,7 +197,7 @@ def _earliest_shard(manual: tuple[Any, ...]) -> Callable[[_Taint], _Taint]:
         io = _IO(io.role, io.counts, tuple(reduce(o) for o in io.origins))
         return state._replace(
             io=io,
-            tick=_all_axes(jax.lax.pmax, jnp.where(varying, state.tick, 0), manual),
+            tick=reduce_shards(jnp.where(varying, state.tick, 0), manual, op="max"),
             pos=np.zeros(state.pos.shape, np.int32),
             here=jnp.zeros(state.here.shape, jnp.int32),
         )

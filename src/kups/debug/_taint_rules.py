@@ -21,9 +21,10 @@ from jax.extend.core import JaxprEqn
 from kups.effects import (
     HandlerResult,
     default_primitive_handler,
+    reduce_shards,
 )
 
-from ._position import _NO_SHARD, _all_axes
+from ._position import _NO_SHARD
 from ._sites import _is_float, _Sites
 from ._taint_origin import (
     _DATA,
@@ -324,8 +325,8 @@ def _earliest_over(own: Any, origin: _Origin, axes: tuple[Any, ...]) -> _Origin:
     # `where` on the shard index makes the values varying, as the collectives need.
     varying = own >= 0
     w = jnp.where(varying, origin.w, _FINE)
-    first = _all_axes(jax.lax.pmin, w, axes)
+    first = reduce_shards(w, axes, op="min")
     candidate = jnp.where(w == first, own, _NO_SHARD)
-    chosen = own == _all_axes(jax.lax.pmin, candidate, axes)
-    info = _all_axes(jax.lax.psum, jnp.where(chosen, origin.info, 0), axes)
+    chosen = own == reduce_shards(candidate, axes, op="min")
+    info = reduce_shards(jnp.where(chosen, origin.info, 0), axes, op="sum")
     return _Origin(first, info, origin.external)

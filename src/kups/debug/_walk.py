@@ -3,12 +3,10 @@ that is not control flow is re-bound and its floating outputs checked (unless al
 its inputs are constants of the program); what a check finds goes to a
 *recorder*, which keeps what its report needs.
 
-The context (`_State`) holds the recorder's `record`, the current shard's index
-and the iteration counter of each loop around the current equation. Loops push
-a counter (advanced by the loop handlers' `updater`; a reversed scan's counts
-down, so that it is the index into `xs`). A `shard_map` body starts with an
-empty record; the recorder combines the shards' records before they leave, and
-the body's record with the one from before.
+The context (`_State`) holds the recorder's `record` and the toolkit's
+`Position` (loop iterations, shard coordinates), kept by `track_position`. A
+`shard_map` body starts with an empty record; the recorder combines the shards'
+records before they leave, and the body's record with the one from before.
 """
 
 from __future__ import annotations
@@ -22,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn
-from jax.sharding import PartitionSpec as P
 
 from kups.effects import (
     Dispatcher,
     HandlerResult,
     InterpreterPolicy,
+    Position,
     default_dispatcher,
     default_primitive_handler,
     default_scan_handler,
@@ -35,6 +33,7 @@ from kups.effects import (
     default_while_handler,
     reinterpret,
     shard_map_axes,
+    track_position,
 )
 
 from ._constants import (
@@ -45,7 +44,7 @@ from ._constants import (
     _is_constant,
     _is_literal,
 )
-from ._position import _loop_depth, _loop_start, _shard_indices
+from ._position import _loop_depth
 from ._sites import _is_float, _located, _Scope, _Sites
 
 _KINDS = ("nan", "inf")
@@ -84,9 +83,9 @@ class _Recorder(Protocol):
         `stamp`: `[shard, iteration of each loop...]` (see `_stamp`)."""
         ...
 
-    def reduce(self, record: Any, own: Any, manual: tuple[Any, ...]) -> Any:
+    def reduce(self, record: Any, position: Position, own: Any, manual: tuple[Any, ...]) -> Any:
         """Every shard's `record` combined over the `manual` axes (the same result on
-        every shard); `own` is the shard's index in the mesh."""
+        every shard); `position` is the shard's, `own` its index in the mesh."""
         ...
 
     def merge(self, outer: Any, inner: Any) -> Any:
@@ -98,20 +97,17 @@ class _State(NamedTuple):
     """The context of the walk.
 
     - `record`: the recorder's record (`None` until the program's jaxpr is seen).
-    - `here`: the current shard's row-major index in the mesh: 0 outside
-      `shard_map`; inside, a block of shape `(1, ...)`, one dimension per manual axis.
-    - `counters`: the current iteration of each loop around the current equation.
+    - `position`: the loop iterations and shard of the current equation.
     - `scope`: static facts about where the current equation is (`_Scope`).
     """
 
     record: Any
-    here: Any
-    counters: tuple[Any, ...]
+    position: Position
     scope: _Scope
 
 
 def _initial_state() -> _State:
-    return _State(record=None, here=jnp.int32(0), counters=(), scope=_Scope())
+    return _State(record=None, position=Position(), scope=_Scope())
 
 
 class _WalkInterpreter(_FramingInterpreter):
@@ -128,7 +124,7 @@ class _WalkInterpreter(_FramingInterpreter):
         # Per jaxpr being run: whether a variable held a watched NaN/Inf (a traced
         # bool), for recorders that count only what an equation made itself.
         self.held: list[dict[Any, Any]] = []
-        # `_stamp`'s cache: by the ids of the shard index and counters it was made of.
+        # `_stamp`'s cache: by the ids of the shard coordinates and counters it was made of.
         self.stamps: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
 
     def interpret_jaxpr(
@@ -196,18 +192,37 @@ def _is_inf(value: Any) -> Any:
 
 def _stamp(interpreter: Any, state: _State) -> Any:
     """`[shard, iteration of each loop...]` of the current equation, padded with -1
-    to the program's loop depth: computed once per shard index and loop counters
+    to the program's loop depth: computed once per shard and loop counters
     (they change only at loop and `shard_map` boundaries)."""
-    key = (state.here, *state.counters)
+    position = state.position
+    if position.coords is None and not position.depth:
+        # Outside loops and shard_map: a constant (no value to cache it by).
+        return np.array([0] + [-1] * interpreter.depth, np.int32)
+    key = (position.coords, *position.loops)
     cached = interpreter.stamps.get(tuple(map(id, key)))
     if cached is not None and all(a is b for a, b in zip(cached[0], key, strict=True)):
         return cached[1]
-    padding = [np.int32(-1)] * (interpreter.depth - len(state.counters))
-    parts = [jax.lax.reshape(jnp.asarray(v, jnp.int32), (1,)) for v in key]
+    padding = [np.int32(-1)] * (interpreter.depth - position.depth)
+    here = _mesh_index(position, state.scope.mesh_axes)
+    parts = [jax.lax.reshape(jnp.asarray(v, jnp.int32), (1,)) for v in (here, *position.loops)]
     parts += [np.full((len(padding),), -1, np.int32)] if padding else []
     stamp = jax.lax.concatenate(parts, 0)
     interpreter.stamps[tuple(map(id, key))] = (key, stamp)
     return stamp
+
+
+def _mesh_index(position: Position, mesh_axes: tuple[tuple[Any, int], ...]) -> Any:
+    """The shard's row-major index in the whole mesh (coordinate 0 along axes that
+    are not manual around it; 0 outside `shard_map`): its place in mesh order."""
+    shard = position.shard
+    if shard is None:
+        return jnp.int32(0)
+    strides, stride = {}, 1
+    for name, size in reversed(mesh_axes):
+        strides[name] = stride
+        stride *= size
+    weights = np.array([strides[axis] for axis in position.shard_axes], np.int32)
+    return jnp.sum(shard * weights, dtype=jnp.int32)
 
 
 def _check_equation(
@@ -260,72 +275,52 @@ def _made_here(
     return {kind: jax.lax.bitwise_and(flag, fresh) for kind, flag in flags.items()}
 
 
-def _next_iteration(step: int, carried: _State, new: _State) -> _State:
-    """The loop updater: the innermost loop counter moves by `step` after each
-    iteration (-1 in a reversed scan, whose counter is the index into `xs`)."""
-    del carried
-    *outer, current = new.counters
-    return new._replace(counters=(*outer, current + step))
-
-
-def _check_loop(
-    loop_handler: Callable[..., HandlerResult],
-    interpreter: Any,
-    state: _State,
-    eqn: JaxprEqn,
-    invals: list[Any],
-) -> HandlerResult:
-    """Runs a loop with one more counter."""
-    outer_counters = state.counters
-    start, step = _loop_start(eqn)
-    state = state._replace(counters=(*outer_counters, jnp.int32(start)))
-    result = loop_handler(
-        interpreter, state, eqn, invals, updater=functools.partial(_next_iteration, step)
-    )
-    return HandlerResult(result.ctx._replace(counters=outer_counters), result.outvals)
-
-
 @functools.lru_cache(maxsize=64)
-def _reduce_shards(recorder: _Recorder, manual: tuple[Any, ...]) -> Callable[[_State], _State]:
-    """`reduce_ctx` of a `shard_map` (cached so that the framework's body cache
-    recognises it)."""
+def _reduce_shards(
+    recorder: _Recorder, manual: tuple[Any, ...], leaving: Callable[[_State], _State]
+) -> Callable[[_State], _State]:
+    """`reduce_ctx` of a `shard_map`: the shards' records combined, then
+    `leaving` (the position's own). Cached so that the framework's body cache
+    recognises it."""
 
     def reduce_ctx(state: _State) -> _State:
-        record = recorder.reduce(state.record, state.here.reshape(()), manual)
-        # Replicated, to leave the body; the caller keeps its own.
-        return state._replace(record=record, here=jnp.zeros(state.here.shape, jnp.int32))
+        own = _mesh_index(state.position, state.scope.mesh_axes)
+        return leaving(
+            state._replace(record=recorder.reduce(state.record, state.position, own, manual))
+        )
 
     return reduce_ctx
 
 
 def _check_shard_map(
-    interpreter: Any, state: _State, eqn: JaxprEqn, invals: list[Any]
+    interpreter: Any,
+    state: _State,
+    eqn: JaxprEqn,
+    invals: list[Any],
+    *,
+    declare_ctx_in_specs: Any,
+    reduce_ctx: Any,
 ) -> HandlerResult:
     """The body starts with an empty record; the shards' records, combined, are
-    merged with the one from before."""
+    merged with the one from before. Wrapped by `track_position`, which gives
+    the options that hand each shard its coordinates."""
     recorder = interpreter.recorder
-    mesh, manual_set = shard_map_axes(eqn)
+    mesh, manual = shard_map_axes(eqn)
     sizes = dict(mesh.shape)
     mesh_axes = tuple((name, sizes[name]) for name in mesh.axis_names)
-    manual = tuple(name for name in mesh.axis_names if name in manual_set)
     names = {name for name, _ in state.scope.manual_axes} | set(manual)
     scope_axes = tuple((name, size) for name, size in mesh_axes if name in names)
     inner = state._replace(
         record=recorder.empty(state.record),
-        here=_shard_indices(state.here, mesh_axes, manual),
         scope=dataclasses.replace(state.scope, manual_axes=scope_axes, mesh_axes=mesh_axes),
     )
-
-    def ctx_in_specs(tree: _State) -> _State:
-        return jax.tree.map(lambda _: P(), tree)._replace(here=P(*manual))
-
     result = default_shard_map_handler(
         interpreter,
         inner,
         eqn,
         invals,
-        declare_ctx_in_specs=ctx_in_specs,
-        reduce_ctx=_reduce_shards(recorder, manual),
+        declare_ctx_in_specs=declare_ctx_in_specs,
+        reduce_ctx=_reduce_shards(recorder, manual, reduce_ctx),
     )
     merged = state._replace(record=recorder.merge(state.record, result.ctx.record))
     return HandlerResult(merged, result.outvals)
@@ -334,14 +329,12 @@ def _check_shard_map(
 def _dispatcher(sites: _Sites, kinds: tuple[str, ...]) -> Dispatcher:
     dispatcher = (
         default_dispatcher()
-        .register_handler("scan", functools.partial(_check_loop, default_scan_handler))
+        .register_handler("scan", track_position(default_scan_handler))
         .register_handler(
             "while",
-            functools.partial(
-                _check_loop, functools.partial(default_while_handler, thread_condition=True)
-            ),
+            track_position(functools.partial(default_while_handler, thread_condition=True)),
         )
-        .register_handler("shard_map", _check_shard_map)
+        .register_handler("shard_map", track_position(_check_shard_map))
         .register_fallback_handler(functools.partial(_check_equation, sites, kinds))
     )
     for name, handler in dispatcher.handlers.items():

@@ -53,6 +53,7 @@ from .toolkit import event_order as event_order
 from .toolkit import first_across_shards as first_across_shards
 from .toolkit import first_index as first_index
 from .toolkit import hide_frames as hide_frames
+from .toolkit import reduce_shards as reduce_shards
 from .toolkit import source_of as source_of
 from .toolkit import track_position as track_position
 
@@ -92,6 +93,7 @@ __all__ = [
     "first_index",
     "hide_frames",
     "is_library_primitive",
+    "reduce_shards",
     "reinterpret",
     "shard_map_axes",
     "skip_when_untouched",

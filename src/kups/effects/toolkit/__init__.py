@@ -4,7 +4,8 @@ A `Position` in the context, kept right by `track_position` around the
 control-flow handlers, says where an equation runs (loop iterations, shard);
 `source_of` gives its user source line; `event_order`, `first_across_shards` and
 `first_index` pick the first event across iterations, shards and vmapped
-elements; `Report` and `Event` give a report its fields and its looks.
+elements; `reduce_shards` combines the shards' values in one collective;
+`Report` and `Event` give a report its fields and its looks.
 """
 
 from ._first import event_order as event_order
@@ -15,6 +16,7 @@ from ._position import ShardLevel as ShardLevel
 from ._position import track_position as track_position
 from ._report import Event as Event
 from ._report import Report as Report
+from ._shards import reduce_shards as reduce_shards
 from ._source import hide_frames as hide_frames
 from ._source import source_of as source_of
 
@@ -27,6 +29,7 @@ __all__ = [
     "first_across_shards",
     "first_index",
     "hide_frames",
+    "reduce_shards",
     "source_of",
     "track_position",
 ]
