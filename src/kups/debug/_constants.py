@@ -11,13 +11,13 @@ import dataclasses
 import weakref
 from typing import Any
 
-from jax.extend.core import Jaxpr, JaxprEqn, Literal, jaxprs_in_params
+from jax.extend.core import Jaxpr, JaxprEqn, Literal
 
 from kups.effects import (
     Handler,
     HandlerResult,
     Interpreter,
-    contains_subjaxprs,
+    sub_jaxprs,
 )
 
 from ._sites import _Frame, _Scope
@@ -43,7 +43,7 @@ def _constant_equations(
     constant.update(v for v, c in zip(jaxpr.invars, constant_inputs, strict=True) if c)
     equations = set()
     for eqn in jaxpr.eqns:
-        if contains_subjaxprs(None, eqn, []):
+        if sub_jaxprs(eqn):
             continue
         if all(_is_literal(v) or v in constant for v in eqn.invars):
             equations.add(id(eqn))
@@ -71,7 +71,7 @@ def _is_constant(frame: _Frame | None, eqn: JaxprEqn) -> bool:
 def _call_body(eqn: JaxprEqn) -> Jaxpr | None:
     """The body of a call-like equation: a sub-jaxpr that takes the equation's
     inputs one to one."""
-    for jaxpr in jaxprs_in_params(eqn.params):
+    for jaxpr in sub_jaxprs(eqn):
         if len(jaxpr.invars) == len(eqn.invars):
             return jaxpr
     return None
