@@ -47,6 +47,7 @@ from kups.effects import (
     default_shard_map_handler,
     default_while_handler,
     is_library_primitive,
+    reduce_shards,
     reinterpret,
     shard_map_axes,
     source_line,
@@ -194,18 +195,9 @@ def _psum_over(manual_axes: tuple[Any, ...]) -> Callable[[Tally], Tally]:
     that the framework's body cache recognises it)."""
 
     def reduce_ctx(tally: Tally) -> Tally:
-        return jax.tree.map(lambda count: _psum(count, manual_axes), tally)
+        return jax.tree.map(lambda count: reduce_shards(count, manual_axes), tally)
 
     return reduce_ctx
-
-
-def _psum(count: Any, manual_axes: tuple[Any, ...]) -> Any:
-    # One axis at a time: `psum` rejects an axis tuple over which the value is
-    # varying along some axes and invariant along others (JAX 0.10), and over an
-    # invariant axis it multiplies by the axis size, which is the sum over shards.
-    for axis in manual_axes:
-        count = jax.lax.psum(count, axis)
-    return count
 
 
 def _count_shard_map(interpreter: Any, ctx: Tally, eqn: JaxprEqn, invals: list[Any]) -> Any:
