@@ -64,7 +64,7 @@ class Flagged(Report, eqx.Module):
     loops: jax.Array
     coords: jax.Array
 
-    def _first_event(self):
+    def first_event(self):
         if self.site < 0:
             return None
         msg, source, depth, axes = list(_SITES)[int(self.site)]

@@ -125,7 +125,7 @@ class Error(Report):
 
     failed: jax.Array
     slots: tuple[_Slot, ...]
-    _noun = "error"
+    noun = "error"
 
     def _first(self) -> tuple[_Slot, Event, tuple[int, ...]] | None:
         index = first_index(np.asarray(self.failed))
@@ -154,7 +154,7 @@ class Error(Report):
             return slot, event, (*index, *batch)
         raise AssertionError("kups.checks: the error is failed but no check site failed.")
 
-    def _first_event(self) -> Event | None:
+    def first_event(self) -> Event | None:
         first = self._first()
         return None if first is None else first[1]
 

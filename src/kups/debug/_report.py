@@ -106,7 +106,7 @@ class NanReport(Report):
         index = int(one._site)
         return one, (self._sites[index] if index >= 0 else None)
 
-    def _first_event(self) -> Event | None:
+    def first_event(self) -> Event | None:
         one, site = self._one()
         if site is None:
             return None

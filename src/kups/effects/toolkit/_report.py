@@ -58,7 +58,7 @@ class Report:
     """Base of the reports effects return: fields of the first event, read once
     the report is concrete.
 
-    A subclass implements `_first_event()` (the first `Event`, or `None` when
+    A subclass implements `first_event()` (the first `Event`, or `None` when
     nothing happened) on concrete values; the base gives it the fields
     `message`, `primitive`, `source`, `iteration`, `shard` (each `None` when
     nothing happened), a one-line `repr`, an HTML table in notebooks
@@ -79,7 +79,7 @@ class Report:
         happened: jax.Array
         where: jax.Array
 
-        def _first_event(self):
+        def first_event(self):
             if not self.happened:
                 return None
             return Event("found", "sin", "f.py:3", (int(self.where),), None)
@@ -92,10 +92,10 @@ class Report:
     """
 
     # How the report's messages name it: "needs a concrete report".
-    _noun: ClassVar[str] = "report"
+    noun: ClassVar[str] = "report"
 
-    def _first_event(self) -> Event | None:
-        raise NotImplementedError(f"{type(self).__name__} must define _first_event()")
+    def first_event(self) -> Event | None:
+        raise NotImplementedError(f"{type(self).__name__} must define first_event()")
 
     def _is_traced(self) -> bool:
         return any(isinstance(leaf, Tracer) for leaf in jax.tree.leaves(self))
@@ -103,12 +103,12 @@ class Report:
     def _event(self, reading: str) -> Event | None:
         if self._is_traced():
             raise TypeError(
-                f"{type(self).__name__}.{reading} needs a concrete {self._noun}, but this one is "
+                f"{type(self).__name__}.{reading} needs a concrete {self.noun}, but this one is "
                 f"traced (it is being used inside jax.jit or another transformation). "
                 f"Return it from the transformed function and read .{reading} on the "
                 f"result, outside jit."
             )
-        return self._first_event()
+        return self.first_event()
 
     def _field(self, name: str) -> Any:
         event = self._event(name)
@@ -145,14 +145,14 @@ class Report:
         name = type(self).__name__
         if self._is_traced():
             return f"{name}(<traced>)"
-        event = self._first_event()
+        event = self.first_event()
         return f"{name}({None if event is None else event.describe()!r})"
 
     def _repr_html_(self) -> str:
         name = html.escape(type(self).__name__)
         if self._is_traced():
             return f"<p>{name}: traced</p>"
-        event = self._first_event()
+        event = self.first_event()
         if event is None:
             return f"<p>{name}: nothing happened</p>"
         rows = "".join(
