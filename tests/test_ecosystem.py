@@ -63,7 +63,7 @@ def library(module: str, distribution: str) -> ModuleType:
     extra), or installed but failing to import on the running JAX release."""
     if importlib.util.find_spec(module.split(".")[0]) is None:
         pytest.importorskip(
-            module, reason=f"{distribution} is not installed: pip install 'kups[ecosystem]'"
+            module, reason=f"{distribution} is not installed: pip install -e '.[ecosystem]'"
         )
     try:
         return importlib.import_module(module)
