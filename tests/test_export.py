@@ -43,6 +43,18 @@ def assert_runs_like(fn, *args):
     return restored
 
 
+def run_in_a_fresh_process(script, cwd):
+    """Runs `script` in a new Python process, where no kups effect is defined yet."""
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
 def with_defined_effects(x):
     (y,) = log_p.bind(jnp.sin(x), tag="activations", index=3)
     a, b = pair_p.bind(y, x * 2.0, path=("a", 1))
@@ -131,14 +143,7 @@ def test_a_fresh_process_deserializes_and_runs(tmp_path):
         print("ok")
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = run_in_a_fresh_process(script, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "ok"
 
@@ -151,14 +156,7 @@ def test_a_process_without_the_effect_says_which_is_missing(tmp_path):
         "import jax, kups.effects\n"
         "jax.export.deserialize(bytearray(open('program.bin', 'rb').read()))\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = run_in_a_fresh_process(script, tmp_path)
     assert result.returncode != 0
     assert "kups.effects.KupsEffect[export_only_here]" in result.stderr
 
@@ -210,14 +208,7 @@ def test_unpickling_an_effect_not_defined_here_says_so(tmp_path):
     custom_p = define_effect("export_pickled_only_here")
     (tmp_path / "effect.pkl").write_bytes(pickle.dumps(custom_p.effect))  # pyright: ignore[reportAttributeAccessIssue]
     script = "import pickle, kups.effects\npickle.loads(open('effect.pkl', 'rb').read())\n"
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = run_in_a_fresh_process(script, tmp_path)
     assert result.returncode != 0
     assert "KupsEffect[export_pickled_only_here] is not defined in this process" in result.stderr
     assert "define_effect" in result.stderr
