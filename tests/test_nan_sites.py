@@ -153,6 +153,31 @@ def test_shard_map_counts_every_shard(mesh42):
     ]
 
 
+@pytest.mark.parametrize("program", ["no-sites", "sites"])
+def test_eager_shard_map_without_loops(mesh8, program):
+    # Called without jit, a shard_map body runs op by op, each op compiled on
+    # its own (for JAX 0.11, the report's pieces must hold no empty concatenate).
+    def body(a):
+        if program == "no-sites":
+            return (a > 0).astype(jnp.int32)  # no floating output: an empty table
+        return jnp.log(a)  # log-in-eager-body
+
+    f = jax.shard_map(body, mesh=mesh8, in_specs=P("i"), out_specs=P("i"))
+    x = jnp.arange(8.0) - 2.0
+    out, sites = nan_sites(f)(x)
+    np.testing.assert_array_equal(out, f(x))
+    records = [
+        (s.primitive, s.source, s.kind, s.count, s.first_iteration, s.first_shard) for s in sites
+    ]
+    if program == "no-sites":
+        assert records == []
+    else:
+        assert records == [
+            site("log", "log-in-eager-body", "nan", 2, [], {"i": 0}),
+            site("log", "log-in-eager-body", "inf", 1, [], {"i": 2}),
+        ]
+
+
 def test_vmap_adds_up_the_elements():
     def f(x):
         return jnp.log(x)  # log-vmapped

@@ -57,8 +57,9 @@ class _AllSitesRecorder:
         return self.empty(jnp.zeros((capacity, len(self.kinds), 2 + depth), jnp.int32))
 
     def empty(self, record: Any) -> Any:
-        first = jnp.full((*record.shape[:-1], record.shape[-1] - 1), -1, jnp.int32)
-        return jnp.concatenate([jnp.zeros((*record.shape[:-1], 1), jnp.int32), first], -1)
+        row = np.full(record.shape[-1], -1, np.int32)
+        row[0] = 0
+        return jnp.broadcast_to(row, record.shape)
 
     def record(self, record: Any, site: int, flags: dict[str, Any], stamp: Any) -> Any:
         if site >= record.shape[0]:
@@ -85,9 +86,18 @@ class _AllSitesRecorder:
         chosen = _first_shard(found, keys, own, manual)
         count = reduce_shards(jnp.where(own >= 0, record[..., 0], 0), manual, op="sum")
         first = jnp.where((count > 0)[..., None], _pick(chosen, record[..., 1:], manual), -1)
-        return jnp.concatenate([count[..., None], first], -1)
+        return _with_count(count, first)
 
     def merge(self, outer: Any, inner: Any) -> Any:
         count = outer[..., 0] + inner[..., 0]
         first = jnp.where((outer[..., 0] > 0)[..., None], outer[..., 1:], inner[..., 1:])
-        return jnp.concatenate([count[..., None], first], -1)
+        return _with_count(count, first)
+
+
+def _with_count(count: Any, first: Any) -> Any:
+    """The record whose column 0 is `count` and the others `first`. A program
+    without sites has an empty table, and XLA in JAX 0.11 crashes compiling a
+    concatenate of empty operands inside an eager shard_map body."""
+    if not count.size:
+        return jnp.zeros((*count.shape, 1 + first.shape[-1]), jnp.int32)
+    return jnp.concatenate([count[..., None], first], -1)

@@ -50,7 +50,10 @@ def event_order(iteration: jax.Array, ordinal: int | jax.Array, depth: int) -> j
     """
     iteration = jnp.asarray(iteration, jnp.int32).reshape(-1)
     padding = jnp.full((depth - iteration.shape[0],), -1, jnp.int32)
-    return jnp.concatenate([iteration, padding, jnp.asarray(ordinal, jnp.int32).reshape(1)])
+    parts = [iteration, padding, jnp.asarray(ordinal, jnp.int32).reshape(1)]
+    # Zero-length pieces are left out: XLA in JAX 0.11 crashes compiling a
+    # concatenate with empty operands inside an eager shard_map body.
+    return jnp.concatenate([part for part in parts if part.shape[0]])
 
 
 def first_index(happened: Any) -> tuple[int, ...] | None:
@@ -140,7 +143,8 @@ def first_across_shards(
         # (one that varies over some only is an error in JAX 0.10).
         picked = position.vary(picked)
     rows = [_to_bytes(value) for value in picked]
-    row = jnp.concatenate(rows)
+    # Empty rows are left out of the concatenation (see event_order).
+    row = jnp.concatenate([r for r in rows if r.shape[0]])
     table = jnp.zeros((math.prod(sizes), row.shape[0]), jnp.uint8)
     if check_vma:
         table = position.vary(table)
