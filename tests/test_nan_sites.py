@@ -119,6 +119,27 @@ def test_nested_loops_while_and_cond():
     ]
 
 
+def test_first_iterations_of_sites_in_nested_scans():
+    # Each site keeps the iteration of its own loops: the inner log first made a
+    # NaN at (2, 0), after the outer sqrt did at outer iteration 1.
+    def f(xs):
+        def outer(c, row):
+            def inner(d, x):
+                return d + jnp.where(x > 0, jnp.log(x), 0.0), None  # log-inner
+
+            s = lax.scan(inner, 0.0, row)[0]
+            t = jnp.sqrt(s)  # sqrt-outer
+            return c + jnp.where(s >= 0.0, t, 0.0), None
+
+        return lax.scan(outer, 0.0, xs)[0]
+
+    xs = jnp.array([[2.0, 3.0], [0.5, 0.1], [-1.0, 4.0], [0.5, 0.5]])
+    assert sites_of(f, xs) == [
+        site("log", "log-inner", "nan", 1, [2, 0]),
+        site("sqrt", "sqrt-outer", "nan", 2, [1]),
+    ]
+
+
 def test_remat_and_grad():
     def loss(x):
         h = jax.checkpoint(lambda u: jnp.sqrt(u))(x)  # sqrt-in-remat

@@ -3,7 +3,10 @@
 A recorder of the walk (`_walk.py`), like the one of `report="first"`: one table
 `(sites, kinds, 2 + loop depth)` of int32, a row per site and kind holding
 `[count, shard of the first event, iterations of the first event...]`. A check
-reads its site's rows and writes them back: one slice and one update. The number
+adds to its site's counts: one slice and one update. The first event's columns
+are written when the walk settles a loop body, a `shard_map` body or the
+program: its checks all share one stamp, given at once to every site counted
+there for the first time. The number
 of rows is known before the walk, from the program: every equation that is not
 control flow and has a floating output, in every sub-program.
 """
@@ -62,22 +65,26 @@ class _AllSitesRecorder:
         return jnp.broadcast_to(row, record.shape)
 
     def record(self, record: Any, site: int, flags: dict[str, Any], stamp: Any) -> Any:
+        del stamp  # the first event's stamp is written when the jaxpr settles
         if site >= record.shape[0]:
             return record  # counted by the walk; the caller walks again, larger
-        _, kinds, columns = record.shape
-        old = jax.lax.slice(record, (site, 0, 0), (site + 1, kinds, columns))
-        count = jax.lax.slice(old, (0, 0, 0), (1, kinds, 1))
+        kinds = record.shape[1]
+        count = jax.lax.slice(record, (site, 0, 0), (site + 1, kinds, 1))
         made = [jax.lax.reshape(flags[kind], (1, 1, 1)) for kind in self.kinds]
         made = made[0] if kinds == 1 else jax.lax.concatenate(made, 1)
-        fresh = jax.lax.bitwise_and(made, jax.lax.eq(count, np.int32(0)))
-        first = jax.lax.select_n(
-            jax.lax.broadcast_in_dim(fresh, (1, kinds, columns - 1), (0, 1, 2)),
-            jax.lax.slice(old, (0, 0, 1), (1, kinds, columns)),
-            jax.lax.broadcast_in_dim(stamp, (1, kinds, columns - 1), (2,)),
-        )
         count = jax.lax.add(count, jax.lax.convert_element_type(made, np.int32))
-        new = jax.lax.concatenate([count, first], 2)
-        return jax.lax.dynamic_update_slice(record, new, (site, 0, 0))
+        return jax.lax.dynamic_update_slice(record, count, (site, 0, 0))
+
+    def settle(self, record: Any, jaxpr: Jaxpr, stamp: Any) -> Any:
+        # Within one run of a loop body (or shard_map body, or the program) every
+        # check has the same stamp: the sites counted for the first time since
+        # the last settle get it, in one update of the table. Those of nested
+        # loops were settled at their bodies' ends, with their own stamps.
+        if not _capacity(jaxpr) or not record.shape[0]:
+            return record
+        fresh = (record[..., 0] > 0) & (record[..., 1] < 0)
+        first = jnp.where(fresh[..., None], jnp.asarray(stamp, jnp.int32), record[..., 1:])
+        return _with_count(record[..., 0], first)
 
     def reduce(self, record: Any, position: Any, own: Any, manual: tuple[Any, ...]) -> Any:
         del position

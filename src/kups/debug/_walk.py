@@ -92,6 +92,11 @@ class _Recorder(Protocol):
         """The record from before a `shard_map` with the one its body made."""
         ...
 
+    def settle(self, record: Any, jaxpr: Jaxpr, stamp: Any) -> Any:
+        """`record` at the end of `jaxpr`, a program, a loop body or a `shard_map`
+        body (where the stamp changes next), whose equations ran at `stamp`."""
+        ...
+
 
 class _State(NamedTuple):
     """The context of the walk.
@@ -124,6 +129,9 @@ class _WalkInterpreter(_FramingInterpreter):
         # Per jaxpr being run: whether a variable held a watched NaN/Inf (a traced
         # bool), for recorders that count only what an equation made itself.
         self.held: list[dict[Any, Any]] = []
+        # Per jaxpr being run: its loop depth and shard_map nesting, which change
+        # at the jaxprs whose end the recorder settles.
+        self.levels: list[tuple[int, int] | None] = []
         # `_stamp`'s cache: by the ids of the shard coordinates and counters it was made of.
         self.stamps: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
 
@@ -133,11 +141,18 @@ class _WalkInterpreter(_FramingInterpreter):
         if isinstance(ctx, _State) and ctx.record is None:
             self.depth = _loop_depth(jaxpr)
             ctx = ctx._replace(record=self.recorder.start(jaxpr, self.depth))
+        level = (ctx.position.depth, len(ctx.position.levels)) if isinstance(ctx, _State) else None
+        settle = level is not None and (not self.levels or self.levels[-1] != level)
         self.held.append({})
+        self.levels.append(level)
         try:
-            return super().interpret_jaxpr(jaxpr, consts, ctx, args)
+            outs, ctx = super().interpret_jaxpr(jaxpr, consts, ctx, args)
         finally:
             self.held.pop()
+            self.levels.pop()
+        if settle and ctx.record is not None:
+            ctx = ctx._replace(record=self.recorder.settle(ctx.record, jaxpr, _stamp(self, ctx)))
+        return outs, ctx
 
 
 def _or(a: Any, b: Any) -> Any:
