@@ -28,6 +28,7 @@ SECTIONS = (
     "checks_shard_map",
     "nans",
     "flops",
+    "eager",
 )
 RESULTS = Path(__file__).parent / "RESULTS.md"
 SECTION_TIMEOUT = 3600  # seconds; a hung section fails instead of blocking CI

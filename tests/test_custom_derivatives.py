@@ -703,7 +703,9 @@ def test_custom_vjp_in_an_eager_shard_map_body_under_effects(effect):
     """Called eagerly (no jit), a shard_map runs its body shard by shard, where
     JAX refuses a custom_vjp declared with symbolic zeros: kups' own custom_vjp
     declares them only where the user's rules do. (Eager shard_maps run op by
-    op on every shard, so this runs on one mesh; the body is the same on both.)"""
+    op on every shard, so this runs on one mesh; the body is the same on both.)
+    An effect called eagerly is compiled as a whole: `jax.disable_jit()` makes it
+    run op by op, as the plain call does."""
     mesh = jax.make_mesh((8,), ("i",), axis_types=(AxisType.Explicit,))
 
     def body(x, w):
@@ -714,7 +716,9 @@ def test_custom_vjp_in_an_eager_shard_map_body_under_effects(effect):
     x = jax.device_put(jnp.linspace(-1.0, 1.0, 16), NamedSharding(mesh, P("i")))
     w = jnp.float32(0.7)
     with jax.set_mesh(mesh):
-        np.testing.assert_array_equal(EFFECTS[effect](loss)(x, w), loss(x, w))
+        with jax.disable_jit():
+            np.testing.assert_array_equal(EFFECTS[effect](loss)(x, w), loss(x, w))
+        np.testing.assert_allclose(EFFECTS[effect](loss)(x, w), loss(x, w), rtol=1e-6)
         if effect != "count_primitives":
             return  # eager gradients run op by op on every shard: one effect is enough
         grads = jax.grad(EFFECTS[effect](loss), argnums=(0, 1))(x, w)

@@ -22,6 +22,7 @@ from kups.effects import (
     default_while_handler,
     reinterpret,
     skip_when_untouched,
+    stage_eagerly,
     track_position,
     wraps_with_leading,
 )
@@ -207,4 +208,4 @@ def checked(
         out, ctx = reinterpret(fn, interpreter)(ctx, *args, **kwargs)
         return out, Error(failed=ctx.failed, slots=ctx.slots)
 
-    return _Checked(wrapped, fn)  # pyright: ignore[reportReturnType]
+    return _Checked(stage_eagerly(wrapped), fn)  # pyright: ignore[reportReturnType]

@@ -9,6 +9,7 @@ from kups.effects import (
     InterpreterPolicy,
     check_policy,
     reinterpret,
+    stage_eagerly,
     wraps_with_leading,
 )
 
@@ -129,4 +130,4 @@ def find_nans(
         out, final = reinterpret(fn, taint)(_initial_taint(), *args, **kwargs)
         return out, _reaching_report(final, sites)
 
-    return wrapped
+    return stage_eagerly(wrapped)

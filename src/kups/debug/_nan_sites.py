@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
-from kups.effects import InterpreterPolicy, check_policy, wraps_with_leading
+from kups.effects import InterpreterPolicy, check_policy, stage_eagerly, wraps_with_leading
 
 from ._all_sites import _AllSitesRecorder
 from ._position import _shard_coordinates
@@ -253,4 +253,4 @@ def nan_sites(
             out, table, sites = _walk(fn, recorder, kinds, policy, "nan_sites")(*args, **kwargs)
         return out, NanSites(table, tuple(sites.sites), kinds)
 
-    return wrapped
+    return stage_eagerly(wrapped)

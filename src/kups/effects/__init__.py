@@ -55,6 +55,7 @@ from .toolkit import first_index as first_index
 from .toolkit import hide_frames as hide_frames
 from .toolkit import reduce_shards as reduce_shards
 from .toolkit import source_of as source_of
+from .toolkit import stage_eagerly as stage_eagerly
 from .toolkit import track_position as track_position
 
 __all__ = [
@@ -100,6 +101,7 @@ __all__ = [
     "source_line",
     "source_location",
     "source_of",
+    "stage_eagerly",
     "sub_jaxprs",
     "to_current_mesh",
     "track_position",

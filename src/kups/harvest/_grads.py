@@ -10,7 +10,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kups.effects import InterpreterPolicy, check_policy, reinterpret, wraps_with_leading
+from kups.effects import (
+    InterpreterPolicy,
+    check_policy,
+    reinterpret,
+    stage_eagerly,
+    wraps_with_leading,
+)
 
 from ._names import Tag
 from ._plant import Planter
@@ -92,4 +98,4 @@ def reap_grads(
         grads, out = jax.grad(perturbed, has_aux=True, allow_int=True)(zeros)
         return out, grads
 
-    return wrapped
+    return stage_eagerly(wrapped)

@@ -6,7 +6,13 @@ import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from kups.effects import InterpreterPolicy, check_policy, reinterpret, wraps_with_leading
+from kups.effects import (
+    InterpreterPolicy,
+    check_policy,
+    reinterpret,
+    stage_eagerly,
+    wraps_with_leading,
+)
 
 from ._names import Tag
 from ._plant import check_values, planted_call
@@ -82,4 +88,4 @@ def harvest(
         out, ctx = reinterpret(planted, interpreter)(Reaped(tag, {}, {}), values, *args, **kwargs)
         return out, reaper.result(ctx)
 
-    return wrapped
+    return stage_eagerly(wrapped)

@@ -25,6 +25,7 @@ from kups.effects import (
     reinterpret,
     shard_map_axes,
     source_line,
+    stage_eagerly,
     wraps_with_leading,
 )
 
@@ -327,4 +328,4 @@ def plant(
         check_values("plant", tag, values)
         return planted_call(fn, selection, "plant", False, policy, values, *args, **kwargs)
 
-    return wrapped
+    return stage_eagerly(wrapped)

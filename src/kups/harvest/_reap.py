@@ -23,6 +23,7 @@ from kups.effects import (
     reinterpret,
     shard_map_axes,
     source_line,
+    stage_eagerly,
     varying_axes,
     wraps_with_leading,
 )
@@ -388,4 +389,4 @@ def reap(
         out, ctx = reinterpret(fn, interpreter)(Reaped(tag, {}, {}), *args, **kwargs)
         return out, reaper.result(ctx)
 
-    return wrapped
+    return stage_eagerly(wrapped)

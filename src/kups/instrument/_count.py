@@ -8,7 +8,7 @@ from typing import Any
 
 from jax.extend.core import JaxprEqn
 
-from kups.effects import InterpreterPolicy, check_policy, wraps_with_leading
+from kups.effects import InterpreterPolicy, check_policy, stage_eagerly, wraps_with_leading
 
 from ._counts import PrimitiveCounts
 from ._tally import count_executions
@@ -89,4 +89,13 @@ def count_primitives(
             sorted(tally.counts.items()), opaque=dict(sorted(tally.opaque.items()))
         )
 
-    return wrapped
+    return stage_eagerly(wrapped, finish=_concrete)
+
+
+def _concrete(result: tuple[Any, PrimitiveCounts]) -> tuple[Any, PrimitiveCounts]:
+    """The counts of a compiled eager call as Python `int`s, as eagerly."""
+    out, counts = result
+    return out, PrimitiveCounts(
+        {name: int(count) for name, count in counts.items()},
+        opaque={name: int(count) for name, count in counts.opaque.items()},
+    )

@@ -8,7 +8,7 @@ from typing import Any
 
 from jax.extend.core import JaxprEqn
 
-from kups.effects import InterpreterPolicy, check_policy, wraps_with_leading
+from kups.effects import InterpreterPolicy, check_policy, stage_eagerly, wraps_with_leading
 
 from ._cost import Cost, CostKey
 from ._cost_model import equation_cost
@@ -103,4 +103,4 @@ def count_flops(
         )
         return out, Cost(tally.counts, opaque=tally.opaque)
 
-    return wrapped
+    return stage_eagerly(wrapped)

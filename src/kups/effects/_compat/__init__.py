@@ -17,6 +17,7 @@ from ._core import aval_match_key as aval_match_key
 from ._core import aval_of as aval_of
 from ._core import bind_equation as bind_equation
 from ._core import current_name_stack as current_name_stack
+from ._core import is_eager as is_eager
 from ._core import is_literal as is_literal
 from ._core import is_staging as is_staging
 from ._core import register_effect_type as register_effect_type

@@ -167,6 +167,12 @@ def api_boundary(fn: _F) -> _F:
     return _traceback_util.api_boundary(fn)
 
 
+def is_eager() -> bool:
+    """Whether JAX evaluates eagerly here: no transformation is tracing (not even
+    an eager `vmap`, `grad` or `shard_map` body)."""
+    return isinstance(_core.trace_ctx.trace, _core.EvalTrace)
+
+
 def is_staging() -> bool:
     """Whether the current trace stages a jaxpr (`jax.jit`, `make_jaxpr`, a control
     flow body) rather than evaluating eagerly or differentiating concrete values."""

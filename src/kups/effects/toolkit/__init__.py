@@ -5,7 +5,8 @@ control-flow handlers, says where an equation runs (loop iterations, shard);
 `source_of` gives its user source line; `event_order`, `first_across_shards` and
 `first_index` pick the first event across iterations, shards and vmapped
 elements; `reduce_shards` combines the shards' values in one collective;
-`Report` and `Event` give a report its fields and its looks.
+`Report` and `Event` give a report its fields and its looks; `stage_eagerly`
+compiles an effect called without `jit`.
 """
 
 from ._first import event_order as event_order
@@ -19,6 +20,7 @@ from ._report import Report as Report
 from ._shards import reduce_shards as reduce_shards
 from ._source import hide_frames as hide_frames
 from ._source import source_of as source_of
+from ._staging import stage_eagerly as stage_eagerly
 
 __all__ = [
     "Event",
@@ -31,5 +33,6 @@ __all__ = [
     "hide_frames",
     "reduce_shards",
     "source_of",
+    "stage_eagerly",
     "track_position",
 ]
