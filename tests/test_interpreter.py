@@ -768,3 +768,39 @@ def test_runs_inside_shard_map_and_under_a_mesh(axis_type):
     assert len(_untouched_calls(staged)) == 2
     (shard_map,) = [e for e in staged.eqns if e.primitive.name == "shard_map"]
     assert len(_untouched_calls(next(iter(jaxprs_in_params(shard_map.params))))) == 2
+
+
+def _opaque_sin(interpreter, ctx, eqn, invals):
+    interpreter.cannot_enter(eqn, "count", "what it runs is not counted")
+    return default_primitive_handler(interpreter, ctx, eqn, invals)
+
+
+@pytest.mark.parametrize("hint", [None, "my_count(fn, policy=...)"])
+def test_cannot_enter_follows_the_policy_and_names_the_way_out(hint):
+    def f(x):
+        return jnp.sin(x) * 2.0  # sin-here
+
+    closed = jax.make_jaxpr(f)(1.0)
+    dispatcher = default_dispatcher().register_handler("sin", _opaque_sin)
+
+    def run(policy):
+        interpreter = Interpreter(dispatcher, policy, "my_count", policy_hint=hint)
+        return interpreter(closed, None, 1.0)[0][0]
+
+    with pytest.raises(NotImplementedError) as raised:
+        run(InterpreterPolicy.RAISE)
+    message = str(raised.value)
+    with open(__file__) as source:
+        lines = source.read().splitlines()
+    sin_line = next(i for i, text in enumerate(lines, 1) if text.endswith("# sin-here"))
+    assert re.match(
+        rf"my_count cannot count inside the primitive 'sin' at \S*test_interpreter.py:{sin_line}:",
+        message,
+    )
+    assert ": what it runs is not counted. To run it unchanged and go on, " in message
+    assert (hint or "build the Interpreter with policy=InterpreterPolicy.IGNORE") in message
+    with pytest.warns(UserWarning, match=r"my_count cannot count inside .* runs unchanged"):
+        assert run(InterpreterPolicy.WARN) == f(1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run(InterpreterPolicy.IGNORE) == f(1.0)

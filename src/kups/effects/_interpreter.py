@@ -285,6 +285,39 @@ class Interpreter:
         finally:
             UNSEEN.top = previous
 
+    def cannot_enter(self, eqn: JaxprEqn, action: str, consequence: str) -> None:
+        """For a handler that meets an equation it cannot go inside (a library's
+        primitive that runs Python functions, say) and would run whole: by the
+        policy, raises a `NotImplementedError` (`RAISE`), warns (`WARN`) or
+        returns quietly (`IGNORE`). The message says `"{label} cannot {action}
+        inside the {primitive} at {line}: {consequence}"`, and how to choose
+        another policy (`policy_hint`).
+
+        **Example:**
+
+        ```python
+        import jax
+        import jax.numpy as jnp
+        import pytest
+        from kups.effects import HandlerResult, Interpreter, InterpreterPolicy
+        from kups.effects import default_dispatcher, default_primitive_handler
+
+
+        def opaque(interpreter, ctx, eqn, invals):
+            interpreter.cannot_enter(eqn, "count", "what it runs is not counted")
+            return default_primitive_handler(interpreter, ctx, eqn, invals)
+
+
+        dispatcher = default_dispatcher().register_handler("sin", opaque)
+        closed = jax.make_jaxpr(jnp.sin)(1.0)
+        with pytest.raises(NotImplementedError, match="my_count cannot count inside"):
+            Interpreter(dispatcher, label="my_count")(closed, None, 1.0)
+        quiet = Interpreter(dispatcher, InterpreterPolicy.IGNORE, "my_count")
+        assert quiet(closed, None, 1.0)[0][0] == jnp.sin(1.0)
+        ```
+        """
+        _policy.cannot_enter(self.policy, self.label, self.policy_hint, eqn, action, consequence)
+
     def lost_effect(self, effect: Any, eqn: JaxprEqn, params: dict[str, Any]) -> None:
         """Called when the effect primitive `effect`, which this interpreter
         handles, is bound with `params` while `eqn` is bound unchanged (by Python

@@ -64,6 +64,39 @@ def unhandled(
     return _compat.bind_equation(eqn.primitive, eqn.params, invals)
 
 
+def cannot_enter(
+    policy: InterpreterPolicy,
+    label: str,
+    policy_hint: str | None,
+    eqn: JaxprEqn,
+    action: str,
+    consequence: str,
+) -> None:
+    """Raises, warns or lets go, by `policy`, a handler's running `eqn` whole
+    because it cannot go inside it (see `Interpreter.cannot_enter`)."""
+    if policy is InterpreterPolicy.IGNORE:
+        return
+    kind = "control-flow primitive" if is_control_flow(eqn) else "primitive"
+    at = where(eqn).removeprefix("primitive ")
+    head = f"{label or 'kups'} cannot {action} inside the {kind} {at}: {consequence}."
+    if policy is InterpreterPolicy.RAISE:
+        how = (
+            f"pass policy=InterpreterPolicy.IGNORE (or WARN, to be warned) to {policy_hint}"
+            if policy_hint is not None
+            else "build the Interpreter with policy=InterpreterPolicy.IGNORE (or WARN)"
+        )
+        raise NotImplementedError(
+            f"{head} To run it unchanged and go on, {how} "
+            f"(from kups.effects import InterpreterPolicy)."
+        )
+    how = (
+        f"Pass policy=InterpreterPolicy.IGNORE to {policy_hint}"
+        if policy_hint is not None
+        else "Build the Interpreter with policy=InterpreterPolicy.IGNORE"
+    )
+    warnings.warn(f"{head} It runs unchanged. {how} to silence this.", stacklevel=4)
+
+
 def lost_effect(
     policy: InterpreterPolicy,
     label: str,

@@ -23,7 +23,6 @@ every other count (a scan body's `length` times, ...).
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, NamedTuple
@@ -50,7 +49,6 @@ from kups.effects import (
     reduce_shards,
     reinterpret,
     shard_map_axes,
-    source_line,
     sub_jaxprs,
 )
 
@@ -86,35 +84,19 @@ def _count_equation(interpreter: Any, ctx: Tally, eqn: JaxprEqn, invals: list[An
     return HandlerResult(Tally(counts, ctx.opaque), result.outvals)
 
 
-def _where(eqn: JaxprEqn) -> str:
-    kind = "control-flow primitive" if contains_subjaxprs(None, eqn, []) else "primitive"
-    return f"{kind} {eqn.primitive.name!r} at {source_line(eqn)}"
-
-
 def _count_opaque(interpreter: Any, ctx: Tally, eqn: JaxprEqn, invals: list[Any]) -> Any:
     """The handler of a control-flow primitive kups cannot see inside: by the
     interpreter's policy, raises, or re-binds it whole and counts the call."""
-    name, label = eqn.primitive.name, interpreter.label
-    if interpreter.policy is InterpreterPolicy.RAISE:
-        raise NotImplementedError(
-            f"{label} cannot count inside the {_where(eqn)}: kups has no handler for it "
-            f"(it runs a sub-program or Python functions of its own: a library's "
-            f"primitive, or a key type of your own), so what it runs inside would be "
-            f"missing from the counts. To run it unchanged and count everything around "
-            f"it, pass policy=InterpreterPolicy.IGNORE (or WARN, to be warned) to "
-            f"{label} (from kups.effects import InterpreterPolicy); the report's .opaque "
-            f"then says how many times {name!r} ran, its inside not counted."
-        )
-    if interpreter.policy is InterpreterPolicy.WARN:
-        warnings.warn(
-            f"{label} cannot count inside the {_where(eqn)} (kups has no handler for "
-            f"it): it runs unchanged, and what it runs is missing from the counts. The "
-            f"report's .opaque says how many times {name!r} ran. Pass "
-            f"policy=InterpreterPolicy.IGNORE to {label} to silence this.",
-            stacklevel=2,
-        )
+    interpreter.cannot_enter(
+        eqn,
+        "count",
+        f"it runs a sub-program or Python functions of its own (a library's primitive, "
+        f"or a key type of your own), so what it runs would be missing from the counts; "
+        f"run unchanged, the report's .opaque says how many times "
+        f"{eqn.primitive.name!r} ran, its inside not counted",
+    )
     result = default_primitive_handler(interpreter, ctx, eqn, invals)
-    opaque = _add(ctx.opaque, {name: np.int32(1)})
+    opaque = _add(ctx.opaque, {eqn.primitive.name: np.int32(1)})
     return HandlerResult(Tally(ctx.counts, opaque), result.outvals)
 
 
