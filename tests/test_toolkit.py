@@ -19,6 +19,7 @@ from kups.effects import (
     Interpreter,
     default_dispatcher,
     define_effect,
+    equations_in,
     reinterpret,
 )
 from kups.effects.toolkit import (
@@ -361,3 +362,33 @@ def test_reduce_shards_over_all_manual_axes_in_one_round(op, check_vma):
     assert reduce_shards(jnp.zeros((0,)), ()).shape == (0,)
     with pytest.raises(ValueError, match="op is one of"):
         reduce_shards(jnp.float32(1.0), ("x",), op="mean")
+
+
+def _not_into_conds(eqn):
+    return eqn.primitive.name != "cond"
+
+
+def test_equations_in_lists_what_runs_with_the_control_flow_around_it():
+    def f(x):
+        def body(i, c):
+            return lax.cond(c > 0, jnp.sin, jnp.cos, c) * 2.0
+
+        return jnp.exp(lax.fori_loop(0, 3, body, x))
+
+    closed = jax.make_jaxpr(f)(1.0)
+    listed = [
+        (eqn.primitive.name, tuple(e.primitive.name for e in around))
+        for eqn, around in equations_in(closed)
+    ]
+    # Program order: the loop's body (its counter too), then exp after it.
+    assert ("sin", ("scan", "cond")) in listed and ("cos", ("scan", "cond")) in listed
+    assert listed.index(("sin", ("scan", "cond"))) < listed.index(("mul", ("scan",)))
+    assert listed[-1] == ("exp", ())
+    assert equations_in(closed) is equations_in(closed.jaxpr)  # cached per jaxpr
+    # `enter` refuses the cond: it is listed itself, its branches are not.
+    refused = [
+        (eqn.primitive.name, tuple(e.primitive.name for e in around))
+        for eqn, around in equations_in(closed, enter=_not_into_conds)
+    ]
+    assert ("cond", ("scan",)) in refused
+    assert not any(name in ("sin", "cos") for name, _ in refused)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Jaxpr
 
-from kups.effects import reduce_shards, sub_jaxprs
+from kups.effects import equations_in, reduce_shards, sub_jaxprs
 
 from ._position import _first_shard, _pick
 from ._sites import _is_float_aval
@@ -34,14 +34,11 @@ def _capacity(jaxpr: Jaxpr) -> int:
     """How many sites the walk of `jaxpr` can register at most."""
     count = _CAPACITY.get(jaxpr)
     if count is None:
-        count = 0
-        for eqn in jaxpr.eqns:
-            subs = sub_jaxprs(eqn)
-            if subs:
-                count += sum(_capacity(sub) for sub in subs)
-            elif any(_is_float_aval(v.aval) for v in eqn.outvars):
-                count += 1
-        _CAPACITY[jaxpr] = count
+        count = _CAPACITY[jaxpr] = sum(
+            1
+            for eqn, _ in equations_in(jaxpr)
+            if not sub_jaxprs(eqn) and any(_is_float_aval(v.aval) for v in eqn.outvars)
+        )
     return count
 
 

@@ -12,6 +12,7 @@ from ._equations import to_current_mesh as to_current_mesh
 from ._equations import varying_axes as varying_axes
 from ._interpreter import Interpreter as Interpreter
 from ._matching import contains_subjaxprs as contains_subjaxprs
+from ._matching import equations_in as equations_in
 from ._matching import is_library_primitive as is_library_primitive
 from ._matching import sub_jaxprs as sub_jaxprs
 from ._reinterpret import reinterpret as reinterpret
@@ -89,6 +90,7 @@ __all__ = [
     "default_shard_map_handler",
     "default_while_handler",
     "define_effect",
+    "equations_in",
     "event_order",
     "first_across_shards",
     "first_index",

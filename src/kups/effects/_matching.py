@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax.extend.random
@@ -142,6 +143,70 @@ def sub_jaxprs(eqn: JaxprEqn) -> tuple[Jaxpr, ...]:
     return tuple(
         sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub for sub in subjaxprs(eqn.params)
     )
+
+
+Nested = tuple[tuple[JaxprEqn, tuple[JaxprEqn, ...]], ...]
+_EQUATIONS: weakref.WeakKeyDictionary[Jaxpr, dict[Any, Nested]] = weakref.WeakKeyDictionary()
+
+
+def equations_in(
+    program: Jaxpr | ClosedJaxpr, *, enter: Callable[[JaxprEqn], bool] | None = None
+) -> Nested:
+    """Every equation a program runs, through its sub-programs, with the
+    control-flow equations around it: a query to ask once, before running it
+    (which effects it binds, how many sites it has), cached per jaxpr.
+
+    Each control-flow equation is replaced by the equations of its sub-programs
+    (`sub_jaxprs`), recursively; an equation with none is listed itself.
+
+    **Arguments:**
+
+    - `program`: a `Jaxpr` or `ClosedJaxpr`.
+    - `enter`: `enter(eqn) -> bool`, whether to go inside a control-flow
+      equation (one it refuses is listed itself); `None` goes inside all. Pass
+      the same function object each time (a module-level function): the cache
+      is kept per `enter`.
+
+    **Returns:**
+
+    A tuple of `(eqn, around)` in program order, where `around` holds the
+    control-flow equations that enclose `eqn`, outermost first.
+
+    **Example:**
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from kups.effects import equations_in
+
+
+    def f(x):
+        return lax.fori_loop(0, 3, lambda i, c: lax.cond(c > 0, jnp.sin, jnp.cos, c), x)
+
+
+    names = [
+        (eqn.primitive.name, [e.primitive.name for e in around])
+        for eqn, around in equations_in(jax.make_jaxpr(f)(1.0))
+    ]
+    assert ("sin", ["scan", "cond"]) in names and ("cos", ["scan", "cond"]) in names
+    ```
+    """
+    jaxpr = program.jaxpr if isinstance(program, ClosedJaxpr) else program
+    per_enter = _EQUATIONS.setdefault(jaxpr, {})
+    found = per_enter.get(enter)
+    if found is None:
+        items: list[tuple[JaxprEqn, tuple[JaxprEqn, ...]]] = []
+        for eqn in jaxpr.eqns:
+            subs = sub_jaxprs(eqn) if enter is None or enter(eqn) else ()
+            if not subs:
+                items.append((eqn, ()))
+            for sub in subs:
+                items.extend(
+                    (inner, (eqn, *around)) for inner, around in equations_in(sub, enter=enter)
+                )
+        found = per_enter[enter] = tuple(items)
+    return found
 
 
 _FUNCTION_TYPES = (types.FunctionType, types.MethodType, functools.partial)

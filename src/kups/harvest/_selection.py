@@ -20,8 +20,8 @@ from kups.effects import (
     InterpreterPolicy,
     default_dispatcher,
     default_primitive_handler,
+    equations_in,
     skip_when_untouched,
-    sub_jaxprs,
 )
 
 from ._names import SowPath, Tag, check_tag, path_of, show_path
@@ -146,15 +146,13 @@ def sows_in(jaxpr: Jaxpr | ClosedJaxpr) -> tuple[JaxprEqn, ...]:
     open_jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
     found = _SOWS.get(open_jaxpr)
     if found is None:
-        eqns: list[JaxprEqn] = []
-        for eqn in open_jaxpr.eqns:
-            if eqn.primitive is sow_p:
-                eqns.append(eqn)
-            elif eqn.primitive.name in _interpreted():
-                for sub in sub_jaxprs(eqn):
-                    eqns.extend(sows_in(sub))
-        found = _SOWS[open_jaxpr] = tuple(eqns)
+        equations = equations_in(open_jaxpr, enter=_entered)
+        found = _SOWS[open_jaxpr] = tuple(eqn for eqn, _ in equations if eqn.primitive is sow_p)
     return found
+
+
+def _entered(eqn: JaxprEqn) -> bool:
+    return eqn.primitive.name in _interpreted()
 
 
 def specs_like(value: Any, spec: tuple[Any, ...]) -> Any:

@@ -45,11 +45,11 @@ from kups.effects import (
     default_scan_handler,
     default_shard_map_handler,
     default_while_handler,
+    equations_in,
     is_library_primitive,
     reduce_shards,
     reinterpret,
     shard_map_axes,
-    sub_jaxprs,
 )
 
 from ._table import is_traced
@@ -137,25 +137,22 @@ def _keys_in(program: Jaxpr | ClosedJaxpr, key_of: KeyOf) -> _Keys:
     if keys is None:
         counted: set[Hashable] = set()
         opaque: dict[str, Primitive] = {}
-        for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
-            if is_library_primitive(eqn):
-                # A library primitive running Python functions kups cannot see.
-                opaque[name] = eqn.primitive
-            elif name in _interpreted() and (subs := sub_jaxprs(eqn)):
-                # JAX's control flow, and the library primitives kups goes inside
-                # (lineax's `linear_solve`, even one with no jaxpr in its params):
-                # what they run is counted, not the equation itself.
-                for sub in subs:
-                    inner = _keys_in(sub, key_of)
-                    counted |= inner.counted
-                    opaque.update(inner.opaque)
-            elif not contains_subjaxprs(None, eqn, []):
-                counted.add(key_of(eqn))
+        for eqn, _ in equations_in(jaxpr, enter=_entered):
+            if is_library_primitive(eqn) or contains_subjaxprs(None, eqn, []):
+                # A library primitive running Python functions kups cannot see,
+                # or control flow no default handler takes: it runs unchanged.
+                opaque[eqn.primitive.name] = eqn.primitive
             else:
-                opaque[name] = eqn.primitive
+                counted.add(key_of(eqn))
         keys = by_key_of[key_of] = _Keys(frozenset(counted), opaque)
     return keys
+
+
+def _entered(eqn: JaxprEqn) -> bool:
+    """JAX's control flow, and the library primitives kups goes inside (lineax's
+    `linear_solve`, even one with no jaxpr in its params): what they run is
+    counted, not the equation itself."""
+    return not is_library_primitive(eqn) and eqn.primitive.name in _interpreted()
 
 
 def _count_cond(interpreter: Any, ctx: Tally, eqn: JaxprEqn, invals: list[Any]) -> Any:
