@@ -41,3 +41,8 @@ __all__ = [
     "nan_checks",
     "user_checks",
 ]
+
+
+def __dir__() -> list[str]:
+    """The public names only (not the private submodules Python sets here)."""
+    return sorted(__all__)

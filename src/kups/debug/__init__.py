@@ -8,3 +8,8 @@ from ._nan_sites import nan_sites as nan_sites
 from ._report import NanReport as NanReport
 
 __all__ = ["NanReport", "NanSite", "NanSites", "find_nans", "nan_sites"]
+
+
+def __dir__() -> list[str]:
+    """The public names only (not the private submodules Python sets here)."""
+    return sorted(__all__)

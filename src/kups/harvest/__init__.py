@@ -57,3 +57,8 @@ from ._sow import sow as sow
 from ._sow import sow_cond as sow_cond
 
 __all__ = ["MODES", "harvest", "nest", "plant", "reap", "reap_grads", "sow", "sow_cond"]
+
+
+def __dir__() -> list[str]:
+    """The public names only (not the private submodules Python sets here)."""
+    return sorted(__all__)

@@ -8,3 +8,8 @@ from ._counts import PrimitiveCounts as PrimitiveCounts
 from ._flops import count_flops as count_flops
 
 __all__ = ["Cost", "PrimitiveCounts", "count_flops", "count_primitives"]
+
+
+def __dir__() -> list[str]:
+    """The public names only (not the private submodules Python sets here)."""
+    return sorted(__all__)
