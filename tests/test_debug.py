@@ -761,6 +761,52 @@ def test_naive_where_value_is_quiet_but_its_gradient_is_reported():
     assert report_of(grad, x).found is False
 
 
+def _overwrite_dus(x):
+    buf = 1.0 / (x * 0.0)  # inf, every element overwritten
+    return lax.dynamic_update_slice(buf, jnp.sqrt(x - 5.0), (0,))  # kept-by-dus
+
+
+def _overwrite_scatter(x):
+    buf = 1.0 / (x * 0.0)  # inf, every element overwritten
+    return buf.at[jnp.arange(2)].set(jnp.sqrt(x - 5.0))  # kept-by-scatter
+
+
+def _where_both_sides(x):
+    dropped = 1.0 / (x * 0.0)  # inf, never taken
+    return jnp.where(x > 0, jnp.sqrt(x - 5.0), dropped)  # kept-by-where
+
+
+@pytest.mark.parametrize(
+    ("fn", "marker"),
+    [
+        (_overwrite_dus, "kept-by-dus"),
+        (_overwrite_scatter, "kept-by-scatter"),
+        (_where_both_sides, "kept-by-where"),
+    ],
+)
+def test_an_input_whose_infs_do_not_survive_gives_no_origin(fn, marker):
+    # The Inf is older than the NaN, but none of its elements reach the output.
+    expect(report_of(fn, jnp.ones(2)), "sqrt", marker)
+
+
+def test_partly_overwritten_operand_keeps_its_origin():
+    def f(x):
+        buf = 1.0 / (x * 0.0)  # partly-kept-inf
+        return lax.dynamic_update_slice(buf, jnp.sqrt(x[:1] - 5.0), (0,))
+
+    expect(report_of(f, jnp.ones(2)), "div", "partly-kept-inf", kind="inf")
+
+
+def test_a_concatenation_then_a_slice_follows_the_array():
+    # Documented: origins belong to arrays; the slice keeps only the NaN half,
+    # but the concatenation's origin is its earliest input's.
+    def f(x):
+        both = jnp.concatenate([1.0 / (x * 0.0), jnp.sqrt(x - 5.0)])  # concat-inf
+        return both[2:]
+
+    expect(report_of(f, jnp.ones(2)), "div", "concat-inf", kind="inf")
+
+
 def test_inf_filled_buffer_overwritten_in_a_loop():
     # diffrax-style output buffer: filled with Inf, every row overwritten.
     def solve(xs):

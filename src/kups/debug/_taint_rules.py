@@ -124,6 +124,45 @@ _COLLECTIVES = frozenset(
 )
 
 
+# Overwrites: the operand's NaN/Inf survives only where the update does not
+# land, so its origin passes on only if that part of it is not finite.
+_OVERWRITES = frozenset({"dynamic_update_slice", "scatter"})
+
+
+def _survivors(
+    eqn: JaxprEqn, invals: list[Any], origins: list[Any], kinds: tuple[str, ...]
+) -> list[Any]:
+    """The origins of an overwrite's operand (input 0) and update (input 1 of a
+    `dynamic_update_slice`, 2 of a `scatter`): the operand's is kept only if what
+    the update leaves of it is not finite (checked with the update replaced by
+    zeros)."""
+    at = 1 if eqn.primitive.name == "dynamic_update_slice" else 2
+    operand, update = origins[0], origins[at]
+    with_zeros = list(invals)
+    with_zeros[at] = jnp.zeros_like(invals[at])
+    rest = eqn.primitive.bind(*with_zeros, **eqn.params)
+    kept = [update] if isinstance(update, _Origin) else []
+    if isinstance(operand, _Origin):
+        w = jax.lax.select_n(_finite(rest, kinds), operand.w, _FINE)
+        kept.append(_Origin(w, operand.info, operand.external))
+    return kept
+
+
+def _selected(invals: list[Any], origins: list[Any], kinds: tuple[str, ...]) -> list[Any]:
+    """The origins of a `select_n`'s cases, each kept only if what the predicate
+    takes of it is not finite (checked with the other cases replaced by zeros)."""
+    kept = []
+    for i in range(1, len(invals)):
+        origin = origins[i]
+        if not isinstance(origin, _Origin):
+            continue
+        cases = [value if j == i else jnp.zeros_like(value) for j, value in enumerate(invals)]
+        taken = jax.lax.select_n(invals[0], *cases[1:])
+        w = jax.lax.select_n(_finite(taken, kinds), origin.w, _FINE)
+        kept.append(_Origin(w, origin.info, origin.external))
+    return kept
+
+
 def _code_vectors(site: int, pos: Any) -> tuple[Any, Any]:
     """`info` of a new event of `site` without and with a NaN, before `pos`."""
     length = pos.shape[0]
@@ -245,6 +284,10 @@ def _propagate(
             if not traced:
                 out_origins.append(_FINITE)
                 continue
+            if name in _OVERWRITES and len(traced) > 1:
+                traced = _survivors(eqn, invals, origins, sites.kinds)
+            elif name == "select_n" and len(traced) > 1:
+                traced = _selected(invals, origins, sites.kinds)
             inherited = _earliest(traced)
             if kind == "filter":
                 w = jax.lax.select_n(_finite(outval, sites.kinds), inherited.w, _FINE)
