@@ -259,3 +259,56 @@ def test_a_leaf_first_made_under_a_shard_map_inside_a_loop_is_traced_twice(axis_
     out, ctx = jax.jit(interpreted)({}, X)
     np.testing.assert_array_equal(out, jax.jit(fn)(X))
     assert int(ctx["count"]) == TRIPS**3
+
+
+def _traces_to_jaxpr(fn, *args):
+    """How many jaxprs JAX traces (its tracing-cache misses, as its own tests count
+    them) while `fn` is jitted, run, and run again on the same types."""
+    from jax._src import test_util as jtu  # JAX's counter of `trace_to_jaxpr` events
+
+    jitted = jax.jit(fn)
+    with jtu.count_jit_tracing_cache_miss() as count:
+        jitted(*args)
+        jitted(*args)
+    return count()
+
+
+def _identity(fn):
+    return lambda *args: reinterpret(fn, Interpreter(default_dispatcher()))(None, *args)[0]
+
+
+def _program(kind, mesh):
+    """A fresh program (nothing of it in JAX's caches) whose body holds `kind`."""
+
+    @jax.custom_jvp
+    def cj(x):
+        return jnp.sin(x)
+
+    cj.defjvp(lambda p, t: (cj(p[0]), jnp.cos(p[0]) * t[0]))
+
+    @jax.custom_vjp
+    def cv(x):
+        return jnp.sin(x)
+
+    cv.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (jnp.cos(x) * g,))
+    if kind == "shard_map":
+        inner = jax.shard_map(
+            lambda x: x * 2.0, mesh=mesh.abstract_mesh, in_specs=P("i"), out_specs=P("i")
+        )
+    else:
+        inner = {"custom_jvp": cj, "custom_vjp": cv, "jit": jax.jit(lambda x: x * 2.0)}[kind]
+    return lambda x: lax.sin(inner(x))
+
+
+@pytest.mark.parametrize("kind", ["shard_map", "custom_jvp", "custom_vjp", "jit"])
+def test_an_untouched_equation_is_not_traced_again(kind):
+    # The identity traces the program once more than JAX (its own `make_jaxpr`),
+    # and no more: an equation no handler touches is staged as it is, not bound
+    # (which would trace a shard_map's or custom rule's body again).
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("i",), axis_types=(AxisType.Auto,))
+    x = jax.device_put(np.arange(8.0, dtype=np.float32), jax.NamedSharding(mesh, P()))
+    _traces_to_jaxpr(_identity(_program(kind, mesh)), x)  # JAX's one-time traces
+    plain = _traces_to_jaxpr(_program(kind, mesh), x)
+    assert _traces_to_jaxpr(_identity(_program(kind, mesh)), x) == plain + 1
+    f = _program(kind, mesh)
+    np.testing.assert_array_equal(jax.jit(_identity(f))(x), jax.jit(f)(x))

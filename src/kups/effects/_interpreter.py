@@ -25,6 +25,8 @@ from ._types import InterpreterPolicy
 from ._untouched import Handled, bind_run, handled_names
 from ._validation import check_arguments, check_static_leaves, checked_result, in_handler
 
+_CUSTOM_VJP_CALLS = ("custom_vjp_call", "custom_vjp_call_jaxpr")
+
 is_literal = _compat.is_literal
 user_context = _compat.user_context
 
@@ -225,12 +227,12 @@ class Interpreter:
             return ctx, outvals
         if walk.fallback is not None:
             return self._call(walk.fallback, ctx, eqn, invals)
-        if not walk.watch_effects:
-            return ctx, _compat.bind_equation(eqn.primitive, eqn.params, invals)
-        outvals = self._bind_unchanged(eqn, invals, watch_effects=True)
-        if walk.holders is not None and walk.holders[index] and _compat.is_staging():
-            self._probe(eqn)
-        return ctx, outvals
+        if walk.holders is not None and walk.holders[index]:
+            outvals = self._bind_unchanged(eqn, invals, watch_effects=True, stage=False)
+            if _compat.is_staging():
+                self._probe(eqn)
+            return ctx, outvals
+        return ctx, self._bind_unchanged(eqn, invals, walk.watch_effects)
 
     def _call(
         self, handler: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
@@ -247,11 +249,25 @@ class Interpreter:
             raise wrapped.with_traceback(err.__traceback__) from err
         return checked_result(handler, eqn, result)
 
-    def _bind_unchanged(self, eqn: JaxprEqn, invals: list[Any], watch_effects: bool) -> list[Any]:
+    def _bind_unchanged(
+        self, eqn: JaxprEqn, invals: list[Any], watch_effects: bool, *, stage: bool = True
+    ) -> list[Any]:
+        """`eqn`'s outputs, run unchanged: emitted as it is while staging (so a
+        `shard_map` or custom rule's body is not traced again), else bound.
+        `stage=False` binds always (a library primitive, whose binding may run its
+        Python functions). With `watch_effects`, what the binding runs, and a
+        `custom_vjp`'s backward rule kept for later, is watched for effects this
+        interpreter would not see."""
+        name = eqn.primitive.name
+        watch_bwd = watch_effects and "bwd" in eqn.params and name in _CUSTOM_VJP_CALLS
+        if stage and not watch_bwd:
+            staged = _compat.stage_unchanged(eqn, invals)
+            if staged is not None:
+                return staged
         if not watch_effects:
             return _compat.bind_equation(eqn.primitive, eqn.params, invals)
         params = eqn.params
-        if "bwd" in params and eqn.primitive.name in ("custom_vjp_call", "custom_vjp_call_jaxpr"):
+        if watch_bwd:
             # Its backward rule runs when JAX differentiates, after this returns.
             params = {
                 **params,

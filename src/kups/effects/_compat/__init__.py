@@ -22,6 +22,7 @@ from ._core import is_literal as is_literal
 from ._core import is_staging as is_staging
 from ._core import register_effect_type as register_effect_type
 from ._core import register_traceback_exclusion as register_traceback_exclusion
+from ._core import stage_unchanged as stage_unchanged
 from ._core import typematch as typematch
 from ._core import user_context as user_context
 from ._core import user_frames as user_frames

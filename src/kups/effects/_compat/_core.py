@@ -16,6 +16,7 @@ import jax
 import jax.extend
 import jax.extend.core
 from jax._src import core as _core
+from jax._src import dtypes as _dtypes
 from jax._src import effects as _effects
 from jax._src import linear_util as _lu
 from jax._src import sharding_impls as _sharding_impls
@@ -64,6 +65,41 @@ def bind_equation(primitive: Any, params: dict[str, Any], invals: Sequence[Any])
     else:
         out = primitive.bind(*invals, **bind_params)
     return list(out) if primitive.multiple_results else [out]
+
+
+def stage_unchanged(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
+    """Emits `eqn` as it is into the jaxpr being staged, on `invals`: `None`
+    (nothing emitted) unless staging and every input has the aval of the
+    equation's own.
+
+    With the same inputs' avals and parameters, `bind` would recompute the same
+    outputs' avals, and a `shard_map` or custom-derivative equation would turn its
+    jaxpr back into a function and trace it again (a second tracing of the body
+    that the user's program never does). The equation's source info is the current
+    one, as `bind` gives it. Equations with input effects (on references) and
+    hijax primitives are left to `bind` (JAX 0.10 to 0.12: `emit_eqn` has one
+    signature there).
+    """
+    trace = _core.trace_ctx.trace
+    if type(trace) is not _pe.DynamicJaxprTrace or trace.requires_low:
+        return None
+    if eqn.effects and any(isinstance(e, _effects.JaxprInputEffect) for e in eqn.effects):
+        return None
+    source_info = _source_info_util.current()
+    tracers = []
+    for x, v in zip(invals, eqn.invars, strict=True):
+        if type(v) is Literal:
+            x = trace.to_jaxpr_tracer(_dtypes.canonicalize_value(x), source_info)
+        elif not (isinstance(x, _pe.DynamicJaxprTracer) and x._trace is trace):
+            return None
+        if x.aval != v.aval:
+            return None
+        tracers.append(x)
+    if eqn.primitive.is_high(*(t.aval for t in tracers), **eqn.params):
+        return None
+    out_avals = [v.aval for v in eqn.outvars]
+    outs = trace.emit_eqn(tracers, out_avals, eqn.primitive, eqn.params, eqn.effects, source_info)
+    return list(outs)
 
 
 def wrapped_in(fun: Any, around: Callable[[], Any]) -> Any:
