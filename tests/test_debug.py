@@ -789,6 +789,23 @@ def test_an_input_whose_infs_do_not_survive_gives_no_origin(fn, marker):
     expect(report_of(fn, jnp.ones(2)), "sqrt", marker)
 
 
+def test_a_constant_buffer_carried_through_a_loop_then_overwritten():
+    # The Inf buffer holds a NaN/Inf of no site (a constant carried by the loop);
+    # the write after the loop replaces all of it, so the NaN written is what
+    # reaches, not the buffer (diffrax's saved outputs, constant steps).
+    def f(x):
+        def body(carry):
+            i, y, buf = carry
+            return i + 1, jnp.sqrt(y - 1.5), jnp.copy(buf)  # carried-sqrt
+
+        buf = jnp.full((1, 2), jnp.inf)
+        _, y, buf = lax.while_loop(lambda c: c[0] < 3, body, (0, x, buf))
+        return lax.dynamic_update_slice(buf, y[None], (0, 0))
+
+    # Iteration 0 is finite (sqrt(1.5)); iteration 1 makes the NaN.
+    expect(report_of(f, jnp.full((2,), 3.0)), "sqrt", "carried-sqrt", iterations=[1])
+
+
 def test_partly_overwritten_operand_keeps_its_origin():
     def f(x):
         buf = 1.0 / (x * 0.0)  # partly-kept-inf

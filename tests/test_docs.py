@@ -17,6 +17,9 @@ Code that a page's fragments need but that would distract the reader (a sample
     x = jnp.ones(3)
     -->
 
+A block that uses a library of the `ecosystem` extra says so on the line
+before it, `<!-- needs diffrax -->`, and runs where that library is installed.
+
 A block that is a whole program for several processes says so on its first
 line, `# NAME.py: run as `python NAME.py PROCESS_ID PORT``; it runs as two local
 processes that must agree on what they print (a `multiprocess` test).
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import os
 import re
@@ -62,6 +66,7 @@ class Block:
 
 
 _FENCE = re.compile(r"^(?P<indent>\s*)```(?P<info>[^\n`]*)$")
+_NEEDS = re.compile(r"^<!-- needs (?P<module>[\w.]+) -->$")
 _SCRIPT = re.compile(r"^# (?P<name>\w+\.py): run as `python (?P=name) PROCESS_ID PORT`")
 
 
@@ -91,6 +96,9 @@ def blocks_of(text: str) -> list[Block]:
                     for body_line in lines[i + 1 : end]
                 ]
                 kind = "skip" if previous == "<!-- skip -->" else "python"
+                needs = _NEEDS.match(previous)
+                if needs:
+                    kind = f"needs {needs['module']}"
                 if body and _SCRIPT.match(body[0]):
                     kind = "script"
                 blocks.append(Block(i + 2, "\n".join(body), kind))
@@ -107,6 +115,11 @@ def run_blocks(path: Path, blocks: list[Block]) -> None:
     namespace: dict[str, object] = {"__name__": f"docs_{path.stem}"}
     for block in blocks:
         if block.kind in ("skip", "script"):
+            continue
+        # An example of a library of the ecosystem extra runs where the library
+        # is installed (CI's newest-JAX stage installs them all).
+        needs = block.kind.removeprefix("needs ")
+        if needs != block.kind and importlib.util.find_spec(needs) is None:
             continue
         # Padding makes tracebacks show the Markdown file's own line numbers.
         source = "\n" * (block.line - 1) + block.code
@@ -165,6 +178,10 @@ def test_blocks_of_reads_skips_setups_and_indented_fences():
         ```python
         z = y
         ```
+        <!-- needs diffrax -->
+        ```python
+        import diffrax
+        ```
         """
     )
     blocks = blocks_of(page)
@@ -173,6 +190,7 @@ def test_blocks_of_reads_skips_setups_and_indented_fences():
         ("setup", "x = 1"),
         ("python", "y = x + 1"),
         ("python", "z = y"),
+        ("needs diffrax", "import diffrax"),
     ]
     assert blocks[2].line == 13
 

@@ -402,6 +402,64 @@ def test_diffrax_implicit_find_nans(dfx: ModuleType) -> None:
     )
 
 
+def sqrt_decay(t: jax.Array, y: jax.Array, args: Any) -> jax.Array:
+    return -y * jnp.sqrt(1.0 - 2.0 * t)  # NaN once t > 0.5
+
+
+SQRT_DECAY_LINE = sqrt_decay.__code__.co_firstlineno + 1
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_diffrax_euler_find_nans_names_the_vector_field(dfx: ModuleType, jit: bool) -> None:
+    # Constant steps of 0.1: step 6 (t = 0.6) makes the NaN that reaches the
+    # output. The saved-output buffer starts as Inf and is carried through the
+    # loop; the final write replaces all of it, so its Inf is not what reaches.
+    def solve(y0: jax.Array) -> jax.Array:
+        term = dfx.ODETerm(sqrt_decay)
+        return dfx.diffeqsolve(term, dfx.Euler(), t0=0.0, t1=1.0, dt0=0.1, y0=y0).ys
+
+    y0 = jnp.ones(2)
+    wrapped = jax.jit(find_nans(solve)) if jit else find_nans(solve)
+    out, report = wrapped(y0)
+    assert_trees_equal(out, jax.jit(solve)(y0), "find_nans outputs")
+    assert bool(jnp.all(jnp.isnan(out)))
+    assert (report.found, report.kind, report.primitive) == (True, "nan", "sqrt")
+    assert report.source == f"test_ecosystem.py:{SQRT_DECAY_LINE}"
+    assert report.iteration == (6,)
+
+
+def test_diffrax_adaptive_find_nans_first_nan(dfx: ModuleType) -> None:
+    # The controller rejects every step that makes a NaN, so none reaches the
+    # output (the solve stops at max_steps with a finite value, throw=False):
+    # "reaching" has nothing to report, and the first NaN made is the way in.
+    def solve(y0: jax.Array) -> jax.Array:
+        controller = dfx.PIDController(rtol=1e-3, atol=1e-6)
+        term = dfx.ODETerm(sqrt_decay)
+        return dfx.diffeqsolve(
+            term,
+            dfx.Tsit5(),
+            t0=0.0,
+            t1=1.0,
+            dt0=0.1,
+            y0=y0,
+            stepsize_controller=controller,
+            max_steps=64,
+            throw=False,
+        ).ys
+
+    y0 = jnp.ones(2)
+    # The checks change XLA's fusions: equal to float32 rounding (sharp bits).
+    out, report = jax.jit(find_nans(solve))(y0)
+    np.testing.assert_allclose(out, jax.jit(solve)(y0), rtol=1e-6)
+    assert bool(jnp.all(jnp.isfinite(out))) and not report.found
+    out, report = jax.jit(find_nans(solve, report="first", kinds=("nan",)))(y0)
+    np.testing.assert_allclose(out, jax.jit(solve)(y0), rtol=1e-6)
+    assert (report.found, report.kind, report.primitive) == (True, "nan", "sqrt")
+    assert report.source == f"test_ecosystem.py:{SQRT_DECAY_LINE}"
+    # The step loop's iteration, then the Runge-Kutta stage's.
+    assert len(report.iteration) == 2 and report.iteration[0] > 0
+
+
 # ---------------------------------------------------------------------------
 # lineax: CG on a matrix-free operator.
 # ---------------------------------------------------------------------------

@@ -126,21 +126,25 @@ _COLLECTIVES = frozenset(
 
 # Overwrites: the operand's NaN/Inf survives only where the update does not
 # land, so its origin passes on only if that part of it is not finite.
-_OVERWRITES = frozenset({"dynamic_update_slice", "scatter"})
+# By name: (operand, update) positions. equinox's `maybe_set` (the in-place
+# update of a buffer in its while loops, which diffrax saves its outputs with) is
+# `xs.at[i].set(x)` where its predicate holds.
+_OVERWRITES = {"dynamic_update_slice": (0, 1), "scatter": (0, 2), "maybe_set": (1, 2)}
 
 
 def _survivors(
     eqn: JaxprEqn, invals: list[Any], origins: list[Any], kinds: tuple[str, ...]
 ) -> list[Any]:
-    """The origins of an overwrite's operand (input 0) and update (input 1 of a
-    `dynamic_update_slice`, 2 of a `scatter`): the operand's is kept only if what
-    the update leaves of it is not finite (checked with the update replaced by
-    zeros)."""
-    at = 1 if eqn.primitive.name == "dynamic_update_slice" else 2
-    operand, update = origins[0], origins[at]
+    """The origins of an overwrite's operand and update (`_OVERWRITES`): the
+    operand's is kept only if what the update leaves of it is not finite (checked
+    with the update replaced by zeros)."""
+    of, at = _OVERWRITES[eqn.primitive.name]
+    operand, update = origins[of], origins[at]
     with_zeros = list(invals)
     with_zeros[at] = jnp.zeros_like(invals[at])
     rest = eqn.primitive.bind(*with_zeros, **eqn.params)
+    if eqn.primitive.multiple_results:  # equinox's maybe_set: one output
+        (rest,) = rest
     kept = [update] if isinstance(update, _Origin) else []
     if isinstance(operand, _Origin):
         w = jax.lax.select_n(_finite(rest, kinds), operand.w, _FINE)
@@ -280,14 +284,14 @@ def _propagate(
             for i in inputs
         )
         kind = "create" if collective else _class_of(eqn, invals, outval, sites.kinds)
+        if name in _OVERWRITES and len(traced) > 1:
+            traced = _survivors(eqn, invals, origins, sites.kinds)
+        elif name == "select_n" and len(traced) > 1:
+            traced = _selected(invals, origins, sites.kinds)
         if kind != "create" and not unknown:
             if not traced:
                 out_origins.append(_FINITE)
                 continue
-            if name in _OVERWRITES and len(traced) > 1:
-                traced = _survivors(eqn, invals, origins, sites.kinds)
-            elif name == "select_n" and len(traced) > 1:
-                traced = _selected(invals, origins, sites.kinds)
             inherited = _earliest(traced)
             if kind == "filter":
                 w = jax.lax.select_n(_finite(outval, sites.kinds), inherited.w, _FINE)
