@@ -806,6 +806,26 @@ def test_a_constant_buffer_carried_through_a_loop_then_overwritten():
     expect(report_of(f, jnp.full((2,), 3.0)), "sqrt", "carried-sqrt", iterations=[1])
 
 
+def test_a_constant_inf_is_named_where_the_program_writes_it():
+    def fill_then_write(x):
+        buf = jnp.full((4,), jnp.inf)  # inf-fill
+        return buf.at[:2].set(x[:2])
+
+    expect(report_of(fill_then_write, jnp.ones(4)), "broadcast_in_dim", "inf-fill", kind="inf")
+    # The first report does not check constants: the scatter is where the fill
+    # first meets data.
+    first = report_of(fill_then_write, jnp.ones(4), report="first")
+    assert (first.kind, first.primitive) == ("inf", "scatter")
+
+
+def test_a_masked_minus_inf_that_never_reaches_is_quiet():
+    def masked_softmax(x):
+        logits = jnp.where(jnp.arange(4) < 2, x, -jnp.inf)
+        return jax.nn.softmax(logits)
+
+    assert report_of(masked_softmax, jnp.ones(4)).found is False
+
+
 def test_partly_overwritten_operand_keeps_its_origin():
     def f(x):
         buf = 1.0 / (x * 0.0)  # partly-kept-inf
@@ -845,18 +865,18 @@ def test_inf_filled_buffer_overwritten_in_a_loop():
         iterations=[0],
     )
 
-    # One row left unwritten: the Inf reaches the output, made where the buffer
-    # first met data.
     def partial(xs):
-        buffer = jnp.full((xs.shape[0] + 1,), jnp.inf)
+        buffer = jnp.full((xs.shape[0] + 1,), jnp.inf)  # partial-inf-fill
 
         def body(i, b):
-            return lax.dynamic_update_slice(b, xs[i][None], (i,))  # partial-overwrite
+            return lax.dynamic_update_slice(b, xs[i][None], (i,))
 
         return lax.fori_loop(0, xs.shape[0], body, buffer)
 
+    # One row left unwritten: the fill's Inf reaches the output, named at the
+    # line that writes it (not at the overwrite that only moves it).
     report = report_of(partial, xs)
-    expect(report, "dynamic_update_slice", "partial-overwrite", kind="inf", iterations=[0])
+    expect(report, "broadcast_in_dim", "partial-inf-fill", kind="inf")
 
 
 def mlp_train(params, xs, ys):

@@ -240,7 +240,11 @@ def _taint_equation(
     if state.scope.passive:
         return HandlerResult(state, outvals)
     origins = interpreter.origins_of(eqn.invars, eqn)
-    if all(o is None for o in origins):
+    if all(o is None for o in origins) and not any(
+        _is_float(value) and not isinstance(value, Tracer) and not _concrete_finite(value)
+        for value in invals
+    ):
+        # Constants alone, none of them a NaN/Inf written in the program.
         interpreter.set_origins(eqn.outvars, [None] * len(eqn.outvars))
         return HandlerResult(state, outvals)
     pending = interpreter.pending[-1]
