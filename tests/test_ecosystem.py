@@ -512,6 +512,28 @@ def test_lineax_sow_in_operator(lx: ModuleType) -> None:
     assert_trees_equal(reaped, {"v": jnp.asarray(last_vector)}, "reaped")
 
 
+def test_lineax_sow_in_operator_vmapped(lx: ModuleType) -> None:
+    # reap of a vmapped CG solve (equinox's vprim, which kups enters): CG applies
+    # its operator to its zero initial guess before its loop, a sow JAX binds
+    # unbatched, then in the batched loop. The right-hand sides are multiples of
+    # one another, so every element's loop runs the same steps and reap(vmap)
+    # equals vmap(reap) element by element.
+    def matvec(v: jax.Array, scale: jax.Array) -> jax.Array:
+        v = sow(v, tag="cg", name="v", mode="clobber", init=0)
+        return spd_matvec(v, scale)
+
+    b, scale = CG_ARGS
+    bs = jnp.stack([b, 2.0 * b, -b])
+    solve = jax.vmap(cg_solver(lx, matvec), (0, None))
+    expected = jax.vmap(reap(cg_solver(lx, matvec), tag="cg"), (0, None))(bs, scale)
+    assert expected[1]["v"].shape == (3, 3)
+    for wrapped in (reap(solve, tag="cg"), jax.jit(reap(solve, tag="cg"))):
+        assert_trees_equal(wrapped(bs, scale), expected, "reap(vmap)")
+    assert_trees_equal(
+        expected[0], jax.vmap(cg_solver(lx, spd_matvec), (0, None))(bs, scale), "out"
+    )
+
+
 def spd_operator(v: jax.Array) -> jax.Array:
     """A matrix-free operator at module level: a function with no closure, which
     equinox keeps as it is (no jaxpr) in the params of lineax's solve."""
