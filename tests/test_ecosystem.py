@@ -400,6 +400,10 @@ def test_diffrax_implicit_find_nans(dfx: ModuleType) -> None:
     assert_derivatives_through(
         find_nans, implicit_solver(dfx, decay), *ODE_ARGS, argnums=1, modes=("grad",), exact=False
     )
+    forward = implicit_solver(dfx, decay, dfx.ForwardMode())
+    assert_derivatives_through(
+        find_nans, forward, *ODE_ARGS, argnums=1, modes=("jvp",), exact=False
+    )
 
 
 def sqrt_decay(t: jax.Array, y: jax.Array, args: Any) -> jax.Array:
@@ -566,6 +570,28 @@ def test_lineax_sow_in_operator(lx: ModuleType) -> None:
     assert_trees_equal(reaped, {"v": jnp.asarray(last_vector)}, "reaped")
 
 
+def test_lineax_sow_in_operator_vmapped(lx: ModuleType) -> None:
+    # reap of a vmapped CG solve (equinox's vprim, which kups enters): CG applies
+    # its operator to its zero initial guess before its loop, a sow JAX binds
+    # unbatched, then in the batched loop. The right-hand sides are multiples of
+    # one another, so every element's loop runs the same steps and reap(vmap)
+    # equals vmap(reap) element by element.
+    def matvec(v: jax.Array, scale: jax.Array) -> jax.Array:
+        v = sow(v, tag="cg", name="v", mode="clobber", init=0)
+        return spd_matvec(v, scale)
+
+    b, scale = CG_ARGS
+    bs = jnp.stack([b, 2.0 * b, -b])
+    solve = jax.vmap(cg_solver(lx, matvec), (0, None))
+    expected = jax.vmap(reap(cg_solver(lx, matvec), tag="cg"), (0, None))(bs, scale)
+    assert expected[1]["v"].shape == (3, 3)
+    for wrapped in (reap(solve, tag="cg"), jax.jit(reap(solve, tag="cg"))):
+        assert_trees_equal(wrapped(bs, scale), expected, "reap(vmap)")
+    assert_trees_equal(
+        expected[0], jax.vmap(cg_solver(lx, spd_matvec), (0, None))(bs, scale), "out"
+    )
+
+
 def spd_operator(v: jax.Array) -> jax.Array:
     """A matrix-free operator at module level: a function with no closure, which
     equinox keeps as it is (no jaxpr) in the params of lineax's solve."""
@@ -694,6 +720,112 @@ def test_lineax_find_nans(lx: ModuleType) -> None:
     # `jnp.sin(s * A @ b) / 3` (no library primitive): compared to rounding.
     first = functools.partial(find_nans, report="first")
     assert_derivatives_through(first, cg_solver(lx, spd_matvec), *CG_ARGS, argnums=1, exact=False)
+
+
+def dense_solver(lx: ModuleType) -> Callable[..., Any]:
+    """Solves `(scale * SPD) x = b` with lineax's LU on a matrix operator: the
+    solution (nonlinear in `scale`, so second derivatives are not zero)."""
+
+    def solve(b: jax.Array, scale: jax.Array) -> jax.Array:
+        operator = lx.MatrixLinearOperator(scale * SPD)
+        return jnp.tanh(lx.linear_solve(operator, jnp.sin(b), lx.LU()).value)
+
+    return solve
+
+
+@pytest.mark.parametrize("solver", ["LU", "CG"])
+def test_lineax_vmap_and_second_derivatives(lx: ModuleType, solver: str) -> None:
+    # An interpreted program holding a lineax solve (kups goes inside it):
+    # `jax.vmap` of it and its second derivatives equal plain JAX's, bit for bit.
+    if solver == "LU":
+        solve = dense_solver(lx)
+    else:
+        cg = cg_solver(lx, spd_matvec)
+        solve = lambda b, scale: jnp.tanh(cg(jnp.sin(b), scale)[0])  # noqa: E731
+    assert static_count(jax.make_jaxpr(solve)(*CG_ARGS), "linear_solve") == 1
+
+    def interpreted(b: jax.Array, scale: jax.Array) -> jax.Array:
+        out, counts = count_primitives(solve)(b, scale)
+        assert counts.opaque == {} and "linear_solve" not in counts  # went inside
+        return out
+
+    b, scale = CG_ARGS
+    bs = jnp.stack([b, 2.0 * b, -b])
+    scales = jnp.stack([scale, 2.0 * scale, 0.5 * scale])
+    for in_axes, args in (((0, None), (bs, scale)), ((None, 0), (b, scales)), (0, (bs, scales))):
+        assert_trees_equal(
+            jax.jit(jax.vmap(interpreted, in_axes))(*args),
+            jax.jit(jax.vmap(solve, in_axes))(*args),
+            f"vmap {in_axes}",
+        )
+
+    def loss(f: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda b, scale: jnp.sum(f(b, scale) ** 2)
+
+    derivatives = {
+        "hessian": (lambda f: jax.hessian(loss(f), argnums=(0, 1)), (b, scale)),
+        "jacfwd(grad)": (lambda f: jax.jacfwd(jax.grad(loss(f), argnums=1), argnums=1), (b, scale)),
+        "jacrev(grad)": (lambda f: jax.jacrev(jax.grad(loss(f))), (b, scale)),
+        "vmap(grad)": (
+            lambda f: jax.vmap(jax.grad(loss(f), argnums=(0, 1)), (0, None)),
+            (bs, scale),
+        ),
+    }
+    for what, (derivative, args) in derivatives.items():
+        actual = jax.jit(derivative(interpreted))(*args)
+        expected = jax.jit(derivative(solve))(*args)
+        assert_trees_equal(actual, expected, what)
+        assert any(bool(jnp.any(leaf != 0)) for leaf in jax.tree.leaves(expected)), what
+
+
+def test_lineax_callback_runs_as_in_plain_jax(lx: ModuleType) -> None:
+    # A host callback in the operator of a lineax solve that kups goes inside
+    # runs as many times as in plain JAX (the solve is not run twice), eagerly,
+    # under jit and differentiated. An ordered one runs as often too: plain JAX
+    # cannot compile it inside lineax's primitive (its lowering threads no
+    # tokens), kups runs the implementation inlined, once.
+    calls: list[np.ndarray] = []
+
+    def operator(ordered: bool) -> Callable[..., Any]:
+        def matvec(v: jax.Array, scale: jax.Array) -> jax.Array:
+            jax.debug.callback(lambda x: calls.append(np.asarray(x)), v, ordered=ordered)
+            return spd_matvec(v, scale)
+
+        return matvec
+
+    def runs(transform: Callable[..., Any], f: Callable[..., Any]) -> tuple[list[np.ndarray], Any]:
+        calls.clear()
+        out = transform(f)
+        jax.effects_barrier()
+        return list(calls), out
+
+    def counted(solve: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            out, counts = count_primitives(solve)(*args)
+            assert counts.opaque == {} and "linear_solve" not in counts
+            return out
+
+        return run
+
+    b, scale = CG_ARGS
+    transforms: dict[str, Callable[[Callable[..., Any]], Any]] = {
+        "eager": lambda f: f(b, scale),
+        "jit": lambda f: jax.jit(f)(b, scale),
+        "jvp": lambda f: jax.jvp(lambda s: f(b, s)[0], (scale,), (jnp.float32(1.0),)),
+        "grad": lambda f: jax.grad(lambda s: jnp.sum(f(b, s)[0]))(scale),
+    }
+    plain = cg_solver(lx, operator(ordered=False))
+    steps = int(plain(b, scale)[1]["num_steps"])
+    for what, transform in transforms.items():
+        expected_calls, expected = runs(transform, plain)
+        assert len(expected_calls) >= steps > 1, what
+        for ordered in (False, True) if what in ("eager", "jit") else (False,):
+            solve = counted(cg_solver(lx, operator(ordered)))
+            actual_calls, actual = runs(transform, solve)
+            assert len(actual_calls) == len(expected_calls), (what, ordered)
+            if ordered:  # in the order plain JAX applied the operator
+                assert_trees_equal(actual_calls, expected_calls, f"{what} calls")
+            assert_trees_equal(actual, expected, f"{what} outputs")
 
 
 # ---------------------------------------------------------------------------
@@ -837,16 +969,15 @@ def test_optimistix_sow_in_function(optx: ModuleType) -> None:
         y = sow(y, tag="newton", name="y", mode="clobber", init=0)
         return cubic(y, a)
 
-    # IGNORE: the solver's linear solves (which also trace `fn`, for the Jacobian)
-    # run unchanged; the sows of the Newton loop itself are reaped.
-    (value, _), reaped = reap(newton_root(optx, fn), tag="newton", policy=InterpreterPolicy.IGNORE)(
-        *ROOT_ARGS
-    )
+    # The solver's linear solves also run `fn` (for the Jacobian); kups goes
+    # inside them, so no policy is needed, and nothing is opaque to ignore.
     expected, _ = newton_root(optx, cubic)(*ROOT_ARGS)
-    assert_trees_equal(value, expected, "reaped outputs")
-    # Newton's convergence test evaluates the function at the iterate it returns,
-    # last.
-    assert_trees_equal(reaped, {"y": expected}, "reaped")
+    for policy in (InterpreterPolicy.RAISE, InterpreterPolicy.IGNORE):
+        (value, _), reaped = reap(newton_root(optx, fn), tag="newton", policy=policy)(*ROOT_ARGS)
+        assert_trees_equal(value, expected, "reaped outputs")
+        # Newton's convergence test evaluates the function at the iterate it
+        # returns, last.
+        assert_trees_equal(reaped, {"y": expected}, "reaped")
 
 
 def test_optimistix_find_nans(optx: ModuleType) -> None:
@@ -857,6 +988,7 @@ def test_optimistix_find_nans(optx: ModuleType) -> None:
     _, report = find_nans(newton_root(optx, cubic))(y0, poisoned)
     assert report.found
     assert report.source is not None and report.source.startswith("test_ecosystem.py:")
+    assert_derivatives_through(find_nans, newton_root(optx, cubic), *ROOT_ARGS, argnums=1)
 
 
 # ---------------------------------------------------------------------------

@@ -1569,6 +1569,61 @@ def test_reap_while_init_with_nan_and_under_vmap():
     assert_tree_close(sown["last"][1:], jnp.array([2.0, 1.0]))
 
 
+def _unbatched_before(kind: str):
+    """A program that sows "v" before a loop (or a cond) on a value that does not
+    depend on its input `b`, and again inside on one that does: under
+    `jax.vmap` over `b`, JAX binds the first sow unbatched and the second
+    batched."""
+
+    def f(b, flag):
+        v = sow(jnp.zeros(3), tag="t", name="v", mode="clobber")
+
+        def step(v):
+            return sow(v + b, tag="t", name="v", mode="clobber") * 0.5
+
+        if kind == "while":
+            return lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, step(c[1])), (0, v))[1]
+        if kind == "scan":
+            return lax.scan(lambda v, _: (step(v), None), v, None, length=3)[0]
+        return lax.cond(flag, lambda: step(v), lambda: v)
+
+    return f
+
+
+@pytest.mark.parametrize("kind", ["while", "scan", "cond"])
+def test_reap_of_vmap_with_a_value_sown_unbatched_before_a_loop(kind):
+    # reap(vmap(f)) carries the unbatched value broadcast along the batch, as
+    # each element of vmap(reap(f)) has it.
+    f = _unbatched_before(kind)
+    bs = jnp.stack([XS[:3], -XS[2:]])
+    for flag in (True, False) if kind == "cond" else (True,):
+        expected = jax.vmap(reap(f, tag="t"), (0, None))(bs, flag)
+        for wrapped in (
+            reap(jax.vmap(f, (0, None)), tag="t"),
+            jax.jit(reap(jax.vmap(f, (0, None)), tag="t"), static_argnums=1),
+        ):
+            out, sown = wrapped(bs, flag)
+            assert sown["v"].shape == (2, 3)
+            np.testing.assert_array_equal(out, expected[0])
+            np.testing.assert_array_equal(sown["v"], expected[1]["v"])
+
+
+def test_reap_while_sow_of_another_shape_is_an_error():
+    # Without vmap, a shape the value sown before the loop does not have is the
+    # program's error, not a batch to broadcast along.
+    def f(b):
+        v = sow(b, tag="t", name="v", mode="clobber")
+
+        def body(c):
+            i, v = c
+            return i + 1, sow(jnp.stack([v, v]), tag="t", name="v", mode="clobber")[0]
+
+        return lax.while_loop(lambda c: c[0] < 3, body, (0, v))[1]
+
+    with pytest.raises(ValueError, match="with a shape or dtype other than the value sown before"):
+        reap(f, tag="t")(XS[:3])
+
+
 def test_reap_while_init_that_a_leaf_cannot_hold_is_an_error():
     # JAX would turn NaN into 0 in the int32 "count" leaf: kups does not.
     with raises(ValueError, "name 'last'", at("INIT_SOW"), "init=nan", "dtype int32"):

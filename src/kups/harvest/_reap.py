@@ -28,6 +28,7 @@ from kups.effects import (
     wraps_with_leading,
 )
 
+from ._batched import with_batched
 from ._custom_jvp import reap_custom_jvp
 from ._names import SowPath, Tag, describe, path_of, show_path
 from ._reaped import Reaped, filled_with_init, init_of, nested
@@ -187,7 +188,7 @@ class Reaper:
     ) -> HandlerResult:
         in_body = self.sows(eqn.params["jaxpr"])
         check_scan(self.tag, in_body, eqn)
-        ctx = self.seeded(ctx, in_body, eqn)
+        ctx = with_batched(self.seeded(ctx, in_body, eqn), in_body)
         # Names new in the body come back stacked along the iterations, entry i
         # belonging to xs[i]; names sown before the scan are carried.
         result = default_scan_handler(interpreter, ctx, eqn, invals, threading=ScanSemantics.RESULT)
@@ -224,7 +225,7 @@ class Reaper:
         in_condition = self.sows(params["cond_jaxpr"])
         in_loop = [*in_condition, *self.sows(params["body_jaxpr"])]
         check_while(self.tag, in_loop, eqn)
-        ctx = self.seeded(ctx, in_loop, eqn)
+        ctx = with_batched(self.seeded(ctx, in_loop, eqn), in_loop)
         inits: dict[SowPath, JaxprEqn] = {}
         for sow_eqn in in_loop:
             path = path_of(sow_eqn)
@@ -274,7 +275,8 @@ class Reaper:
         self, interpreter: Interpreter, ctx: Reaped, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
         branches = [self.sows(branch) for branch in eqn.params["branches"]]
-        ctx = self.seeded(ctx, [e for sows in branches for e in sows], eqn)
+        in_branches = [e for sows in branches for e in sows]
+        ctx = with_batched(self.seeded(ctx, in_branches, eqn), in_branches)
         sown = [{path_of(e): e for e in sows} for sows in branches]
         check_cond(self.tag, sown, eqn, ctx.values)
         return default_cond_handler(interpreter, ctx, eqn, invals)

@@ -10,6 +10,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.interpreters import batching
 
 from kups.effects import define_effect
 
@@ -22,8 +23,31 @@ MODES = ("strict", "append", "clobber")
 # Params: `tag`, `name`, `mode`, `tree` (of the value), `scope` (the scopes of
 # the enclosing `nest` calls, outermost first), `init` (a number or None) and
 # `conditional` (a `sow_cond`: its first operand is the predicate) and `in_rule`
-# (bound while a `custom_jvp` rule is traced under `reap`).
+# (bound while a `custom_jvp` rule is traced under `reap`). Under `jax.vmap`
+# (see `_batch_sow`) also `batched`: how many leading axes of each operand are
+# batch axes.
 sow_p = define_effect("kups_sow")
+
+
+def _batch_sow(
+    operands: list[Any], dims: list[int | None], **params: Any
+) -> tuple[list[Any], list[int | None]]:
+    """`sow` under `jax.vmap`: each batched operand's batch axis moved to the
+    front, and counted in the `batched` param (one more under each `vmap`).
+
+    JAX binds a `sow` whose operands are all unbatched outside the batch, on the
+    unbatched values: `reap(jax.vmap(f))` sees one name with both shapes (a value
+    sown before a loop on unbatched data, then in the batched loop). `batched`
+    tells which leading axes the batch added, so that `reap` can carry the
+    unbatched value, the same for every batch element, broadcast along them."""
+    before = params.get("batched") or (0,) * len(operands)
+    moved = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(operands, dims, strict=True)]
+    batched = tuple(k + (d is not None) for k, d in zip(before, dims, strict=True))
+    out = sow_p.bind(*moved, **{**params, "batched": batched})
+    return out, [None if d is None else 0 for d in dims]
+
+
+batching.primitive_batchers[sow_p] = _batch_sow
 
 # ---------------------------------------------------------------- sow
 
