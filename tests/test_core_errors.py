@@ -469,6 +469,17 @@ def test_register_handler_with_a_function_suggests_the_primitive_name_and_a_swap
         default_dispatcher().register_handler(count_in_dict, "sin")  # pyright: ignore[reportArgumentType]
 
 
+@pytest.mark.parametrize("primitive", ["sin", lax.sin_p], ids=["name", "primitive"])
+def test_register_handler_with_swapped_arguments_gives_the_call_in_the_right_order(primitive):
+    # The handler's name is no primitive's: no guess from it ("count_in_dict" is
+    # not a misspelled primitive), the fix is the same call with the two swapped.
+    with pytest.raises(TypeError) as info:
+        default_dispatcher().register_handler(count_in_dict, primitive)  # pyright: ignore[reportArgumentType]
+    message = str(info.value)
+    assert "register_handler('sin', count_in_dict)" in message
+    assert "arguments swapped" in message and "did you mean" not in message
+
+
 # The cookbook's gradient tap.
 cotangent_p = define_effect("test_core_errors_cotangent")
 
