@@ -366,6 +366,20 @@ def test_a_jitted_function_under_jit_is_placed_at_the_users_call():
     assert f"{at('call_jit_jit')} (" in str(info.value)
 
 
+def test_a_library_jitted_function_given_to_reinterpret_is_placed_at_the_users_call_too():
+    # The jit equation of equinox.filter_jit has only equinox's lines: the user's
+    # call of the function follows them.
+    import equinox as eqx
+
+    no_jit = Interpreter(default_dispatcher().unregister_handler("jit"))
+    with pytest.raises(NotImplementedError) as info:
+        LINES["call_filter_jit"] = _next_line()
+        reinterpret(eqx.filter_jit(jnp.sin), no_jit)(0, X)
+    message = str(info.value)
+    assert "primitive 'jit' at " in message and "equinox" in message
+    assert f", called from {__file__}:{LINES['call_filter_jit']} (" in message
+
+
 def test_reduce_ctx_axis_suggestion_for_a_shard_map_given_to_reinterpret_names_the_line():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     spec = jax.sharding.PartitionSpec("data")
@@ -467,6 +481,17 @@ def test_register_handler_with_a_function_suggests_the_primitive_name_and_a_swap
     assert "arguments swapped" in message
     with pytest.raises(TypeError, match="arguments swapped"):
         default_dispatcher().register_handler(count_in_dict, "sin")  # pyright: ignore[reportArgumentType]
+
+
+@pytest.mark.parametrize("primitive", ["sin", lax.sin_p], ids=["name", "primitive"])
+def test_register_handler_with_swapped_arguments_gives_the_call_in_the_right_order(primitive):
+    # The handler's name is no primitive's: no guess from it ("count_in_dict" is
+    # not a misspelled primitive), the fix is the same call with the two swapped.
+    with pytest.raises(TypeError) as info:
+        default_dispatcher().register_handler(count_in_dict, primitive)  # pyright: ignore[reportArgumentType]
+    message = str(info.value)
+    assert "register_handler('sin', count_in_dict)" in message
+    assert "arguments swapped" in message and "did you mean" not in message
 
 
 # The cookbook's gradient tap.

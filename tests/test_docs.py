@@ -337,3 +337,36 @@ def test_define_effect_tutorial_builds_a_short_checkify_class_effect_from_public
     assert len(code_lines) <= 50, len(code_lines)
     assert not re.search(r"kups[.\w]*\._|import _|\._compat", effect.code)
     assert "../cookbook.md#a-gradient-tap" in text
+
+
+def test_sharp_bits_counts_of_the_demo_are_the_running_releases():
+    """docs/sharp-bits.md gives the demo's `convert_element_type` per shard and step
+    and its total for two JAX releases; on those releases the demo prints them."""
+    text = (ROOT / "docs" / "sharp-bits.md").read_text(encoding="utf-8")
+    said = re.search(
+        r"runs (\d+)\s+`convert_element_type` on JAX ([\d.]+) and (\d+) on JAX ([\d.]+)\s+"
+        r"\(([\d,]+) primitives in\s+all against ([\d,]+)\)",
+        text,
+    )
+    assert said, "sharp-bits.md no longer says the demo's counts in the form this test reads"
+    casts = {said[2]: int(said[1]), said[4]: int(said[3])}
+    totals = {said[2]: int(said[5].replace(",", "")), said[4]: int(said[6].replace(",", ""))}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    demo = subprocess.run(
+        [sys.executable, "-m", "kups", "--section", "counts", "--no-color"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+        check=False,
+    )
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    version = re.search(r"\(jax ([\d.]+),", demo.stdout)
+    cast_row = re.search(r"^\s+convert_element_type\s+(\d+)\s", demo.stdout, re.M)
+    total = re.search(r"^\s+(\d+) primitives ran:", demo.stdout, re.M)
+    assert version and cast_row and total, demo.stdout
+    if version[1] in casts:  # the releases the page names
+        assert int(cast_row[1]) == casts[version[1]], demo.stdout
+        assert int(total[1]) == totals[version[1]], demo.stdout
+    else:
+        assert int(cast_row[1]) > 0 and int(total[1]) > 0, demo.stdout

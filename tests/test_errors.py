@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 import kups
 from kups.checks import check, checked
-from kups.debug import find_nans
+from kups.debug import find_nans, nan_sites
 from kups.effects import (
     Dispatcher,
     HandlerResult,
@@ -41,8 +41,8 @@ from kups.effects import (
     define_effect,
     reinterpret,
 )
-from kups.harvest import plant, reap, sow
-from kups.instrument import count_primitives
+from kups.harvest import harvest, nest, plant, reap, reap_grads, sow
+from kups.instrument import count_flops, count_primitives
 
 pytestmark = pytest.mark.leakcheck
 
@@ -1323,3 +1323,61 @@ def test_plant_of_a_filtered_out_name_does_not_contradict_itself():
         "['x'], which the function sows under tag 't' but allowlist/blocklist leave out",
     )
     assert "none" not in message
+
+
+def returns_a_string(x):
+    return "not an array"
+
+
+RETURNS_A_STRING = (
+    f"function returns_a_string at {__file__}:{returns_a_string.__code__.co_firstlineno}"
+)
+
+
+@pytest.mark.parametrize(
+    "wrap, args",
+    [
+        (lambda f: reinterpret(f, Interpreter(default_dispatcher())), (0, 1.0)),
+        (lambda f: reap(f, tag="t"), (1.0,)),
+        (lambda f: plant(f, tag="t"), ({}, 1.0)),
+        (lambda f: harvest(f, tag="t"), ({}, 1.0)),
+        (lambda f: nest(f, scope="s"), (1.0,)),
+        (lambda f: checked(f), (1.0,)),
+        (lambda f: find_nans(f), (1.0,)),
+        (lambda f: nan_sites(f), (1.0,)),
+        (lambda f: count_primitives(f), (1.0,)),
+        (lambda f: count_flops(f), (1.0,)),
+    ],
+    ids=[
+        "reinterpret",
+        "reap",
+        "plant",
+        "harvest",
+        "nest",
+        "checked",
+        "find_nans",
+        "nan_sites",
+        "count_primitives",
+        "count_flops",
+    ],
+)
+def test_a_jitted_wrapper_of_a_function_with_a_bad_output_names_the_users_file(wrap, args):
+    """JAX describes a traced function by its source; each wrapper is described by
+    the user's function, as plain `jax.jit(f)` is, not by kups' or JAX's files."""
+    with pytest.raises(TypeError) as plain:
+        jax.jit(returns_a_string)(1.0)
+    assert str(plain.value).startswith(RETURNS_A_STRING)
+    wrapped = wrap(returns_a_string)
+    with pytest.raises(TypeError) as info:
+        jax.jit(wrapped)(*args)
+    assert str(info.value).startswith(RETURNS_A_STRING), str(info.value)
+    assert wrapped.__name__ == "returns_a_string"
+
+
+def test_a_jitted_reap_grads_of_a_function_with_a_bad_output_says_what_jax_grad_says():
+    with pytest.raises(TypeError) as plain:
+        jax.jit(jax.grad(returns_a_string))(1.0)
+    with pytest.raises(TypeError) as info:
+        jax.jit(reap_grads(returns_a_string, tag="t"))(1.0)
+    assert str(info.value) == str(plain.value)
+    assert "kups" not in str(info.value)

@@ -236,6 +236,31 @@ def test_sites_returned_from_jit_and_read_outside():
     assert "log" in sites._repr_html_()
 
 
+def test_jitted_sites_export_and_round_trip():
+    def f(xs):
+        def step(carry, x):
+            return carry + jnp.log(x), 1.0 / x  # log-and-div-exported
+
+        return lax.scan(step, 0.0, xs)
+
+    xs = jnp.array([1.0, 0.0, -1.0, -2.0])
+    exported = jax.export.export(jax.jit(nan_sites(f)))(xs)
+    restored = jax.export.deserialize(exported.serialize())
+    expected_out, expected = nan_sites(f)(xs)
+    for out, sites in (restored.call(xs), jax.jit(restored.call)(xs)):
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(expected_out), strict=True):
+            np.testing.assert_array_equal(a, b)
+        records = [(s.primitive, s.source, s.kind, s.count, s.first_iteration) for s in sites]
+        assert records == [
+            ("log", line_of("log-and-div-exported"), "nan", 2, (2,)),
+            ("log", line_of("log-and-div-exported"), "inf", 1, (1,)),
+            ("div", line_of("log-and-div-exported"), "inf", 1, (1,)),
+        ]
+        assert records == [
+            (s.primitive, s.source, s.kind, s.count, s.first_iteration) for s in expected
+        ]
+
+
 def test_arguments_are_checked():
     with pytest.raises(ValueError, match="kinds"):
         nan_sites(jnp.log, kinds=("nans",))

@@ -43,34 +43,6 @@ Params = ParamSpec("Params")
 Out = TypeVar("Out")
 
 
-class _Checked:
-    """What `checked(fn)` returns: the wrapper, described to JAX by `fn`'s source.
-
-    JAX names a traced function in its messages by the `__code__` of the function
-    it is given ("function f at model.py:3 traced for jit returned ..."). The
-    wrapper's own code is JAX's traceback boundary, so `jax.jit(checked(f))`
-    named `jax/_src/traceback_util.py`; this callable carries `fn`'s code instead,
-    as data: what runs is the wrapper.
-    """
-
-    def __init__(self, wrapper: Callable[..., Any], fn: Callable[..., Any]) -> None:
-        self._wrapper = wrapper
-        for name in ("__name__", "__qualname__", "__doc__", "__module__", "__signature__"):
-            setattr(self, name, getattr(wrapper, name))
-        described = fn
-        while isinstance(described, functools.partial):
-            described = described.func
-        code = getattr(described, "__code__", None)
-        if code is not None:
-            self.__code__ = code
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._wrapper(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"<checked function {self._wrapper.__qualname__}>"
-
-
 def _dispatcher(kinds: frozenset[str]) -> Dispatcher:
     dispatcher = default_dispatcher()
     handlers = {
@@ -208,4 +180,4 @@ def checked(
         out, ctx = reinterpret(fn, interpreter)(ctx, *args, **kwargs)
         return out, Error(failed=ctx.failed, slots=ctx.slots)
 
-    return _Checked(stage_eagerly(wrapped), fn)  # pyright: ignore[reportReturnType]
+    return stage_eagerly(wrapped)

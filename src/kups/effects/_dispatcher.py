@@ -168,6 +168,20 @@ def _function_hint(value: Any) -> str:
     )
 
 
+def _check_not_swapped(prim: Any, handler: Any) -> None:
+    """A `TypeError` giving the call in the right order when a handler comes first
+    and a primitive (or its name) second."""
+    name = handler if isinstance(handler, str) else getattr(handler, "name", None)
+    if not isinstance(name, str) or not callable(prim) or isinstance(prim, Primitive):
+        return
+    handler_name = getattr(prim, "__name__", "handler")
+    raise TypeError(
+        f"register_handler got the function {handler_name} first and the primitive "
+        f"{name!r} second: the arguments swapped places. The primitive comes first: "
+        f"register_handler({name!r}, {handler_name})."
+    )
+
+
 class Dispatcher:
     """Maps primitives to handlers.
 
@@ -232,6 +246,7 @@ class Dispatcher:
         `prim` is a `Primitive` or the name of one; a name that no primitive has is
         a `ValueError` that names the closest ones.
         """
+        _check_not_swapped(prim, handler)
         key = _key(prim)
         if not callable(handler):
             raise TypeError(

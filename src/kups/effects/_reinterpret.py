@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -80,7 +81,8 @@ def wraps_with_leading(fn: Callable[..., Any], *names: str) -> Callable[[F], F]:
     **Returns:**
 
     A decorator that returns the wrapper with these attributes, as a traceback
-    boundary.
+    boundary that JAX's messages describe by `fn`'s source line (a traced function
+    that returns a string names `fn`'s file, not kups' or JAX's).
 
     **Example:**
 
@@ -113,9 +115,46 @@ def wraps_with_leading(fn: Callable[..., Any], *names: str) -> Callable[[F], F]:
         wrapper.__signature__ = signature_with_leading(fn, *names)  # pyright: ignore[reportAttributeAccessIssue]
         if "__wrapped__" in getattr(wrapper, "__dict__", {}):
             del wrapper.__wrapped__  # pyright: ignore[reportAttributeAccessIssue]
-        return wrapper
+        return described_by(wrapper, fn)
 
     return decorate
+
+
+class _Described:
+    """A wrapper that JAX describes by the source of the function it wraps.
+
+    JAX names a traced function in its messages by the `__code__` of the callable
+    it is given ("function f at model.py:3 traced for jit returned ..."). A
+    traceback boundary's code is JAX's (`jax/_src/traceback_util.py`), which is
+    what `jax.jit(reap(f, tag=...))` named; this callable carries `fn`'s code
+    instead, as data: what runs is the wrapper. It binds as a method, as a
+    function does.
+    """
+
+    def __init__(self, wrapper: Callable[..., Any], fn: Callable[..., Any]) -> None:
+        self._wrapper = wrapper
+        for name in ("__name__", "__qualname__", "__doc__", "__module__", "__signature__"):
+            if hasattr(wrapper, name):
+                setattr(self, name, getattr(wrapper, name))
+        code = getattr(_unpartial(fn), "__code__", None)
+        if code is not None:
+            self.__code__ = code
+
+    @api_boundary  # so that its own frame is filtered out of tracebacks too
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._wrapper(*args, **kwargs)
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        return self if instance is None else types.MethodType(self, instance)
+
+    def __repr__(self) -> str:
+        return f"<kups wrapper of {getattr(self, '__qualname__', '?')}>"
+
+
+def described_by(wrapper: F, fn: Callable[..., Any]) -> F:
+    """`wrapper`, which JAX's messages describe by `fn`'s source file and line (as
+    they describe `fn` itself) rather than by the wrapper's own code."""
+    return _Described(wrapper, fn)  # pyright: ignore[reportReturnType]
 
 
 def _unpartial(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -133,12 +133,18 @@ def where(eqn: JaxprEqn) -> str:
     """`primitive 'name' at file.py:LINE (function)` for error messages.
 
     An equation with no line of the user's (the `jit` equation of a jitted
-    function given to `reinterpret`) is placed at the user's call of it.
+    function given to `reinterpret`) is placed at the user's call of it; one
+    with lines of installed libraries only (the `jit` of `equinox.filter_jit`)
+    is said to be called from there.
     """
     line = source_line(eqn)
-    if line == "unknown":
+    frames = user_frames(eqn)
+    only_libraries = bool(frames) and all(is_installed_library(f.file_name) for f in frames)
+    if line == "unknown" or only_libraries:
         called = _call_site_line()
-        if called is not None:
+        if called is not None and only_libraries:
+            line = f"{line}, called from {called}"
+        elif called is not None:
             line = f"{called}, in the function called there"
     return f"primitive '{eqn.primitive.name}' at {line}"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -85,7 +86,7 @@ def reap_grads(
 
     @wraps_with_leading(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-        _, shapes = jax.eval_shape(lambda: reaping(*args, **kwargs))
+        _, shapes = eqx.filter_eval_shape(reaping, *args, **kwargs)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
         def perturbed(perturbation: dict[str, Any]) -> tuple[Any, Any]:

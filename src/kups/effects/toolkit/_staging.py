@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 
 from .. import _compat
+from .._reinterpret import described_by
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -41,7 +42,8 @@ def stage_eagerly(wrapper: F, *, finish: Callable[[Any], Any] | None = None) -> 
 
     **Returns:**
 
-    A function with `wrapper`'s name, signature and results.
+    A callable with `wrapper`'s name, signature and results, which JAX's messages
+    describe by the source `wrapper` is described by.
 
     **Example:**
 
@@ -81,7 +83,8 @@ def stage_eagerly(wrapper: F, *, finish: Callable[[Any], Any] | None = None) -> 
     bounded = _compat.api_boundary(call)
     if "__wrapped__" in bounded.__dict__:
         del bounded.__wrapped__  # the wrapper is not `wrapper`'s callee
-    return bounded  # pyright: ignore[reportReturnType]
+    # JAX describes it by the source `wrapper` is described by (the effect's `fn`).
+    return described_by(bounded, wrapper)  # pyright: ignore[reportReturnType]
 
 
 def _hashable_statics(tree: Any) -> bool:
