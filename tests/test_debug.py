@@ -1183,6 +1183,22 @@ def test_jitted_report_exports_and_round_trips():
     expect(report, "log", "log-exported", iterations=[2])
 
 
+def test_first_across_shards_outside_loops_between_two_loops(mesh42):
+    # Shard (0, 0) fails in the first loop, at iteration 0; shard (0, 1) fails
+    # outside loops, between the two loops: iteration () comes first. The check
+    # outside loops keeps its own iteration when the second loop's body runs.
+    def f(x):
+        def body(a):
+            b = lax.scan(lambda c, _: (jnp.sqrt(c), None), a, None, length=2)[0]
+            d = jnp.log(b - 2.5)  # log-between-loops
+            return lax.scan(lambda c, _: (c * 2.0, None), d, None, length=2)[0]
+
+        return jax.shard_map(body, mesh=mesh42, in_specs=P("x", "y"), out_specs=P("x", "y"))(x)
+
+    x = jnp.full((8, 4), 16.0).at[0, 0].set(-1.0).at[0, 2].set(9.0)
+    expect(report_of(f, x, report="first"), "log", "log-between-loops", shard={"x": 0, "y": 1})
+
+
 def test_first_across_shards_is_program_order_then_mesh_order(mesh42):
     def f(x):
         def body(a):

@@ -33,6 +33,7 @@ from kups.effects import (
     default_while_handler,
     reinterpret,
     shard_map_axes,
+    sub_jaxprs,
     track_position,
 )
 
@@ -341,15 +342,33 @@ def _check_shard_map(
     return HandlerResult(merged, result.outvals)
 
 
+def _settled_before(handler: Any) -> Any:
+    """`handler` of a loop or a `shard_map`, whose body the walk settles with
+    stamps of its own: what the checks before it found is settled first, with
+    the stamp it was found at (not the body's)."""
+
+    def settled(interpreter: Any, state: Any, eqn: JaxprEqn, invals: list[Any]) -> Any:
+        if isinstance(state, _State) and state.record is not None:
+            body = sub_jaxprs(eqn)[-1]
+            body = getattr(body, "jaxpr", body)
+            record = interpreter.recorder.settle(state.record, body, _stamp(interpreter, state))
+            state = state._replace(record=record)
+        return handler(interpreter, state, eqn, invals)
+
+    return settled
+
+
 def _dispatcher(sites: _Sites, kinds: tuple[str, ...]) -> Dispatcher:
     dispatcher = (
         default_dispatcher()
-        .register_handler("scan", track_position(default_scan_handler))
+        .register_handler("scan", _settled_before(track_position(default_scan_handler)))
         .register_handler(
             "while",
-            track_position(functools.partial(default_while_handler, thread_condition=True)),
+            _settled_before(
+                track_position(functools.partial(default_while_handler, thread_condition=True))
+            ),
         )
-        .register_handler("shard_map", track_position(_check_shard_map))
+        .register_handler("shard_map", _settled_before(track_position(_check_shard_map)))
         .register_fallback_handler(functools.partial(_check_equation, sites, kinds))
     )
     for name, handler in dispatcher.handlers.items():
