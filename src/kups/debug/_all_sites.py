@@ -2,8 +2,10 @@
 
 A recorder of the walk (`_walk.py`), like the one of `report="first"`: one table
 `(sites, kinds, 2 + loop depth)` of int32, a row per site and kind holding
-`[count, shard of the first event, iterations of the first event...]`. A check
-adds to its site's counts: one slice and one update. The first event's columns
+`[count, shard of the first event, iterations of the first event...]`. The
+checks of one run of a jaxpr are added to their sites' counts at once, at its
+end or before a loop or `shard_map` in it: one slice, add and update per run of
+consecutive sites (a check costs no operation of its own). The first event's columns
 are written when the walk settles a loop body, a `shard_map` body or the
 program: its checks all share one stamp, given at once to every site counted
 there for the first time. The number
@@ -51,6 +53,7 @@ class _AllSitesRecorder:
     kinds: tuple[str, ...]
     minimum: int = 0
     made_only = True
+    batched = True
 
     def start(self, jaxpr: Jaxpr, depth: int) -> Any:
         capacity = max(_capacity(jaxpr), self.minimum)
@@ -63,14 +66,31 @@ class _AllSitesRecorder:
 
     def record(self, record: Any, site: int, flags: dict[str, Any], stamp: Any) -> Any:
         del stamp  # the first event's stamp is written when the jaxpr settles
-        if site >= record.shape[0]:
-            return record  # counted by the walk; the caller walks again, larger
-        kinds = record.shape[1]
-        count = jax.lax.slice(record, (site, 0, 0), (site + 1, kinds, 1))
-        made = [jax.lax.reshape(flags[kind], (1, 1, 1)) for kind in self.kinds]
-        made = made[0] if kinds == 1 else jax.lax.concatenate(made, 1)
-        count = jax.lax.add(count, jax.lax.convert_element_type(made, np.int32))
-        return jax.lax.dynamic_update_slice(record, count, (site, 0, 0))
+        return self.record_many(record, [(site, flags)])
+
+    def record_many(self, record: Any, checks: list[tuple[int, dict[str, Any]]]) -> Any:
+        # The checks of one run of a jaxpr, by runs of consecutive sites: one
+        # slice, add and update of the table per run.
+        checks = sorted(
+            ((site, flags) for site, flags in checks if site < record.shape[0]),
+            key=lambda check: check[0],
+        )
+        kinds = len(self.kinds)
+        start = 0
+        for end in range(1, len(checks) + 1):
+            if end < len(checks) and checks[end][0] == checks[end - 1][0] + 1:
+                continue
+            run, lo = checks[start:end], checks[start][0]
+            made = [
+                jax.lax.convert_element_type(flags[kind], np.int32)
+                for _, flags in run
+                for kind in self.kinds
+            ]
+            made = jnp.stack(made).reshape(len(run), kinds, 1)
+            count = jax.lax.slice(record, (lo, 0, 0), (lo + len(run), kinds, 1))
+            record = jax.lax.dynamic_update_slice(record, count + made, (lo, 0, 0))
+            start = end
+        return record  # sites beyond the table: counted by the walk, which walks again
 
     def settle(self, record: Any, jaxpr: Jaxpr, stamp: Any) -> Any:
         # Within one run of a loop body (or shard_map body, or the program) every

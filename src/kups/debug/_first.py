@@ -51,6 +51,7 @@ class _First(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class _FirstRecorder:
     made_only = False
+    batched = False
 
     def start(self, jaxpr: Jaxpr, depth: int) -> _First:
         del jaxpr
@@ -70,6 +71,11 @@ class _FirstRecorder:
         if "nan" in flags:
             code = jax.lax.sub(code, jax.lax.convert_element_type(flags["nan"], np.int32))
         return record._replace(code=jax.lax.select_n(first, record.code, code))
+
+    def record_many(self, record: _First, checks: list[tuple[int, dict[str, Any]]]) -> _First:
+        for site, flags in checks:
+            record = self.record(record, site, flags, None)
+        return record
 
     def settle(self, record: _First, jaxpr: Jaxpr, stamp: Any) -> _First:
         # The check that found it ran in this run of this jaxpr: every check of

@@ -66,10 +66,13 @@ class _Recorder(Protocol):
     """What a report keeps of the checks (`record` is a pytree of arrays).
 
     `made_only`: whether a check reports only what the equation made itself (not
-    a NaN/Inf that one of its inputs already held).
+    a NaN/Inf that one of its inputs already held). `batched`: whether the walk
+    gives it the checks of each run of a jaxpr at once (`record_many`), at the
+    end of the jaxpr or before a loop or `shard_map` in it.
     """
 
     made_only: bool
+    batched: bool
 
     def start(self, jaxpr: Jaxpr, depth: int) -> Any:
         """The empty record of a program `jaxpr` whose loops nest `depth` deep."""
@@ -82,6 +85,11 @@ class _Recorder(Protocol):
     def record(self, record: Any, site: int, flags: dict[str, Any], stamp: Any) -> Any:
         """`record` after a check of `site` found `flags` (kind to traced bool), at
         `stamp`: `[shard, iteration of each loop...]` (see `_stamp`)."""
+        ...
+
+    def record_many(self, record: Any, checks: list[tuple[int, dict[str, Any]]]) -> Any:
+        """`record` after the checks `(site, flags)` of one run of a jaxpr, all at
+        once (for a `batched` recorder, whose `record` the walk does not call)."""
         ...
 
     def reduce(self, record: Any, position: Position, own: Any, manual: tuple[Any, ...]) -> Any:
@@ -130,6 +138,9 @@ class _WalkInterpreter(_FramingInterpreter):
         # Per jaxpr being run: whether a variable held a watched NaN/Inf (a traced
         # bool), for recorders that count only what an equation made itself.
         self.held: list[dict[Any, Any]] = []
+        # Per jaxpr being run, for a recorder that takes its checks in batches:
+        # the `(site, flags)` of the checks not yet in the record.
+        self.pending: list[list[tuple[int, dict[str, Any]]]] = []
         # Per jaxpr being run: its loop depth and shard_map nesting, which change
         # at the jaxprs whose end the recorder settles.
         self.levels: list[tuple[int, int] | None] = []
@@ -146,14 +157,26 @@ class _WalkInterpreter(_FramingInterpreter):
         settle = level is not None and (not self.levels or self.levels[-1] != level)
         self.held.append({})
         self.levels.append(level)
+        self.pending.append([])
         try:
             outs, ctx = super().interpret_jaxpr(jaxpr, consts, ctx, args)
+            ctx = self.flush(ctx)
         finally:
             self.held.pop()
             self.levels.pop()
+            self.pending.pop()
         if settle and ctx.record is not None:
             ctx = ctx._replace(record=self.recorder.settle(ctx.record, jaxpr, _stamp(self, ctx)))
         return outs, ctx
+
+    def flush(self, ctx: Any) -> Any:
+        """`ctx` with the pending checks of the current jaxpr in its record."""
+        checks = self.pending[-1] if self.pending else None
+        if not checks or not isinstance(ctx, _State) or ctx.record is None:
+            return ctx
+        record = self.recorder.record_many(ctx.record, list(checks))
+        checks.clear()
+        return ctx._replace(record=record)
 
 
 def _or(a: Any, b: Any) -> Any:
@@ -259,6 +282,9 @@ def _check_equation(
     flags = _flags(floats, kinds, exact=interpreter.recorder.made_only)
     if interpreter.recorder.made_only:
         flags = _made_here(interpreter, state, eqn, invals, flags, kinds)
+    if interpreter.recorder.batched:
+        interpreter.pending[-1].append((site, flags))
+        return HandlerResult(state, outvals)
     record = interpreter.recorder.record(state.record, site, flags, _stamp(interpreter, state))
     return HandlerResult(state._replace(record=record), outvals)
 
@@ -283,7 +309,11 @@ def _made_here(
         if _is_literal(var) or var in constants or not _is_float(value):
             continue
         if var not in held:
-            held[var] = functools.reduce(_or, _flags([value], kinds).values())
+            # Whether it holds any watched NaN/Inf: with both kinds, one reduction
+            # of `isfinite`.
+            both = len(kinds) == 2
+            probe = _flags([value], ("inf",) if both else kinds, exact=not both)
+            held[var] = functools.reduce(_or, probe.values())
         inherited = held[var] if inherited is None else _or(inherited, held[var])
     if inherited is None:
         return flags
@@ -348,6 +378,7 @@ def _settled_before(handler: Any) -> Any:
     the stamp it was found at (not the body's)."""
 
     def settled(interpreter: Any, state: Any, eqn: JaxprEqn, invals: list[Any]) -> Any:
+        state = interpreter.flush(state)
         if isinstance(state, _State) and state.record is not None:
             body = sub_jaxprs(eqn)[-1]
             body = getattr(body, "jaxpr", body)
