@@ -834,14 +834,71 @@ def test_partly_overwritten_operand_keeps_its_origin():
     expect(report_of(f, jnp.ones(2)), "div", "partly-kept-inf", kind="inf")
 
 
-def test_a_concatenation_then_a_slice_follows_the_array():
-    # Documented: origins belong to arrays; the slice keeps only the NaN half,
-    # but the concatenation's origin is its earliest input's.
-    def f(x):
-        both = jnp.concatenate([1.0 / (x * 0.0), jnp.sqrt(x - 5.0)])  # concat-inf
-        return both[2:]
+def _halves(x):
+    """An Inf half (older) and a NaN half, side by side."""
+    return jnp.concatenate([1.0 / (x * 0.0), jnp.sqrt(x - 5.0)])  # halves-nan
 
-    expect(report_of(f, jnp.ones(2)), "div", "concat-inf", kind="inf")
+
+def _half_rows(x):
+    inf = jnp.broadcast_to(1.0 / (x * 0.0), (2, 2))
+    nan = jnp.broadcast_to(jnp.sqrt(x - 5.0), (2, 2))  # rows-nan
+    return jnp.concatenate([inf, nan], axis=1)  # (2, 4): Inf columns, then NaN
+
+
+def _padded_with_nan(x):
+    return lax.pad(1.0 / (x * 0.0), jnp.sqrt(x[0] - 5.0), [(2, 0, 0)])  # pad-nan
+
+
+# Each moves the NaN half into what it keeps and drops the Inf half.
+_PIECE_MOVES = {
+    "slice": lambda x: _halves(x)[2:],
+    "slice with a stride": lambda x: _halves(x)[3::2],
+    "dynamic_slice": lambda x: lax.dynamic_slice(_halves(x), (2,), (2,)),
+    "index (slice, squeeze)": lambda x: _halves(x)[3],
+    "rev (jnp.flip, a jit)": lambda x: jnp.flip(_halves(x))[:2],
+    "neg then slice": lambda x: (-_halves(x))[2:],
+    "transpose": lambda x: _half_rows(x).T[2:],
+    "broadcast_in_dim": lambda x: jnp.broadcast_to(_halves(x), (3, 4))[:, 2:],
+    "concatenate of pieces": lambda x: jnp.concatenate([_halves(x), x * 2.0])[2:4],
+    "pad": lambda x: _padded_with_nan(x)[:2],
+}
+
+
+@pytest.mark.parametrize("move", sorted(_PIECE_MOVES))
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_slice_takes_the_origins_of_the_parts_it_keeps(move, jit):
+    fn = _PIECE_MOVES[move]
+    fn = jax.jit(fn) if jit else fn
+    marker = "pad-nan" if move == "pad" else "rows-nan" if move == "transpose" else "halves-nan"
+    out = fn(jnp.ones(2))
+    assert np.isnan(np.asarray(out)).all()
+    expect(report_of(fn, jnp.ones(2)), "sqrt", marker)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_slice_that_keeps_both_parts_takes_the_earliest(jit):
+    def keeps_the_inf(x):
+        return _halves(x)[:2]
+
+    def keeps_both(x):
+        return _halves(x)[1:3]
+
+    def drops_both(x):
+        return jnp.where(jnp.isfinite(_halves(x)), 0.0, 1.0)[1:3]
+
+    wrap = jax.jit if jit else (lambda f: f)
+    expect(report_of(wrap(keeps_the_inf), jnp.ones(2)), "div", "halves-nan", kind="inf")
+    expect(report_of(wrap(keeps_both), jnp.ones(2)), "div", "halves-nan", kind="inf")
+    assert report_of(wrap(drops_both), jnp.ones(2)).found is False
+
+
+def test_a_gather_follows_the_array():
+    # Documented: a gather (indices given at run time) passes the array's origin,
+    # the earliest of its parts.
+    def f(x):
+        return _halves(x)[jnp.array([2, 3])]
+
+    expect(report_of(f, jnp.ones(2)), "div", "halves-nan", kind="inf")
 
 
 def test_inf_filled_buffer_overwritten_in_a_loop():

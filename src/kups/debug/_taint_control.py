@@ -44,6 +44,7 @@ from ._taint_origin import (
     _shape,
     _Taint,
 )
+from ._taint_pieces import with_pieces, without_pieces
 from ._taint_rules import _earliest_over, _flush, _taint_equation
 
 
@@ -54,7 +55,8 @@ def _taint_call(
     equation's inputs one to one."""
     state = _flush(interpreter, state)
     origins = interpreter.origins_of(eqn.invars, eqn)
-    result = handler(interpreter, state._replace(io=_IO("call", (), tuple(origins))), eqn, invals)
+    io = _IO("call", (), with_pieces(origins, interpreter.pieces_of(eqn.invars)))
+    result = handler(interpreter, state._replace(io=io), eqn, invals)
     return _left(interpreter, state, eqn, result)
 
 
@@ -63,12 +65,17 @@ def _left(interpreter: Any, state: _Taint, eqn: JaxprEqn, result: HandlerResult)
     context, and puts back the position and scope of `state`."""
     io = result.ctx.io
     avals = [v.aval for v in eqn.outvars]
+    pieces: list[Any] = []
     if isinstance(io, _IO) and io.role == "out" and len(io.origins) == len(avals):
-        origins = [_float_origin(a, o) for a, o in zip(avals, io.origins, strict=True)]
+        origins, pieces = without_pieces(io.origins)
+        origins = [_float_origin(a, o) for a, o in zip(avals, origins, strict=True)]
     else:
         # The body was run passively (no floating output) or not at all.
         origins = [_float_origin(a, _EXTERNAL) for a in avals]
     interpreter.set_origins(eqn.outvars, origins)
+    for var, own in zip(eqn.outvars, pieces, strict=False):
+        if own is not None:
+            interpreter.set_pieces(var, own)
     ctx = result.ctx._replace(io=None, pos=state.pos, here=state.here, scope=state.scope)
     return HandlerResult(ctx, result.outvals)
 

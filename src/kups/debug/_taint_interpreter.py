@@ -31,6 +31,7 @@ from ._taint_origin import (
     _Taint,
     _validated,
 )
+from ._taint_pieces import with_pieces, without_pieces
 from ._taint_rules import _flush
 
 
@@ -49,6 +50,8 @@ class _TaintInterpreter(Interpreter):
         )
         self.sites = sites
         self.frames: list[dict[Any, Any]] = []
+        # Per frame: the values whose parts came from different inputs (`_Pieces`).
+        self.pieces: list[dict[Any, Any]] = []
         # Per frame: the equations run in it since `tick` was last advanced.
         self.pending: list[int] = []
         # Whether any value met so far is typed for a mesh: only then can origins
@@ -72,6 +75,16 @@ class _TaintInterpreter(Interpreter):
     def set_origins(self, atoms: Any, origins: Any) -> None:
         self.frames[-1].update(zip(atoms, origins, strict=True))
 
+    def pieces_of(self, atoms: Any) -> list[Any]:
+        """The `_Pieces` of each of `atoms`, or `None`."""
+        pieces = self.pieces[-1]
+        if not pieces:
+            return [None] * len(atoms)
+        return [None if _is_literal(v) else pieces.get(v) for v in atoms]
+
+    def set_pieces(self, atom: Any, pieces: Any) -> None:
+        self.pieces[-1][atom] = pieces
+
     def interpret_jaxpr(
         self, jaxpr: Jaxpr, consts: Any, ctx: Any, args: Any
     ) -> tuple[list[Any], Any]:
@@ -90,22 +103,34 @@ class _TaintInterpreter(Interpreter):
                 _typed_for_a_mesh(v.aval) for v in (*jaxpr.invars, *jaxpr.outvars)
             )
         io = ctx.io
+        in_pieces: list[Any] = []
+        if io.role == "call":
+            # A call's inputs may have pieces (see `_taint_pieces`).
+            unpieced, in_pieces = without_pieces(io.origins)
+            io = _IO(io.role, io.counts, tuple(unpieced))
         origins, ctx = _enter(io, ctx, jaxpr, args, self.sites.kinds)
         frame: dict[Any, Any] = dict.fromkeys(jaxpr.constvars)
         frame.update(zip(jaxpr.invars, origins, strict=True))
         self.frames.append(frame)
+        pieces = {v: p for v, p in zip(jaxpr.invars, in_pieces, strict=False) if p is not None}
+        self.pieces.append(pieces)
         self.pending.append(0)
         try:
             outs, ctx = super().interpret_jaxpr(jaxpr, consts, ctx._replace(io=None), args)
             ctx = _flush(self, ctx)
         finally:
             self.frames.pop()
+            self.pieces.pop()
             self.pending.pop()
         out_origins = [
             None if _is_literal(v) else frame[v] if v in frame else _float_origin(v.aval, _EXTERNAL)
             for v in jaxpr.outvars
         ]
-        return outs, ctx._replace(io=_leave(io, ctx, jaxpr, out_origins, outs))
+        left = _leave(io, ctx, jaxpr, out_origins, outs)
+        if io.role == "call" and pieces:
+            out_pieces = [None if _is_literal(v) else pieces.get(v) for v in jaxpr.outvars]  # pyright: ignore[reportArgumentType]
+            left = _IO(left.role, left.counts, with_pieces(list(left.origins), out_pieces))
+        return outs, ctx._replace(io=left)
 
 
 def _typed_for_a_mesh(aval: Any) -> bool:

@@ -40,6 +40,7 @@ from ._taint_origin import (
     _shape,
     _Taint,
 )
+from ._taint_pieces import origin_of_slice, pieces_made
 
 # Whether an output is finite exactly when its inputs are (real dtypes only):
 # the origin passes on unchecked.
@@ -247,10 +248,19 @@ def _taint_equation(
         # Constants alone, none of them a NaN/Inf written in the program.
         interpreter.set_origins(eqn.outvars, [None] * len(eqn.outvars))
         return HandlerResult(state, outvals)
+    pieces = interpreter.pieces_of(eqn.invars)
+    if pieces[0] is not None and isinstance(origins[0], _Origin) and _is_float(outvals[0]):
+        # A slice of an array whose parts came from different inputs.
+        sliced = origin_of_slice(eqn, invals, pieces[0], outvals[0], sites.kinds)
+        if sliced is not None:
+            origins = [sliced, *origins[1:]]
     pending = interpreter.pending[-1]
     created, out_origins = _propagate(sites, state, eqn, invals, origins, outvals, pending)
     interpreter.pending[-1] = pending + created
     interpreter.set_origins(eqn.outvars, out_origins)
+    made = pieces_made(eqn, invals, origins, pieces)
+    if made is not None:
+        interpreter.set_pieces(eqn.outvars[0], made)
     return HandlerResult(state, outvals)
 
 

@@ -1,0 +1,247 @@
+"""`report="reaching"`: the parts of an array that came from different inputs.
+
+An array's origin is one event, the earliest among what it holds. A
+`concatenate` (or a `pad` along one axis) puts inputs of different origins side
+by side along an axis: the output remembers which range of that axis came from
+which input (`_Pieces`), through the equations that move elements without mixing
+them (unary elementwise equations, `rev`, `transpose`, `squeeze`,
+`broadcast_in_dim`, and slices themselves). A slice of it (`slice`, or
+`dynamic_slice` at indices known while tracing) then takes the origins of only
+the pieces it keeps, each kept only if the part of the output it fills is not
+finite. The bounds are static: this costs one finiteness check per piece a
+slice keeps, and nothing elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.core import Tracer
+from jax.extend.core import JaxprEqn
+
+from ._taint_origin import _FINITE, _concrete_finite, _earliest, _Origin, _validated
+
+
+class _Pieces(NamedTuple):
+    """Along `axis`, elements `bounds[k]` to `bounds[k + 1]` have origin
+    `origins[k]` (an `_Origin`, or `_FINITE`)."""
+
+    axis: int
+    bounds: tuple[int, ...]
+    origins: tuple[Any, ...]
+
+
+# Elementwise equations of one floating input that keep each element in place.
+_IN_PLACE = frozenset(
+    {
+        "neg",
+        "abs",
+        "copy",
+        "copy_p",
+        "floor",
+        "ceil",
+        "round",
+        "sign",
+        "pvary",
+        "pcast",
+        "sharding_constraint",
+        "convert_element_type",
+        "reduce_precision",
+    }
+)
+
+
+def _piece_origin(origin: Any, value: Any) -> Any:
+    """`origin` as a piece's origin, or `None` when it cannot be one (an argument,
+    a constant that may hold a NaN/Inf)."""
+    if isinstance(origin, _Origin):
+        return None if origin.external else origin
+    if origin is _FINITE or (origin is None and _concrete_finite(value)):
+        return _FINITE
+    return None
+
+
+def pieces_made(
+    eqn: JaxprEqn, invals: list[Any], origins: list[Any], pieces: list[_Pieces | None]
+) -> _Pieces | None:
+    """The pieces of `eqn`'s (only) output, or `None`."""
+    name = eqn.primitive.name
+    if len(eqn.outvars) != 1:
+        return None
+    if name == "concatenate":
+        return _concatenated(eqn, invals, origins, pieces)
+    if name == "pad":
+        return _padded(eqn, invals, origins)
+    if not pieces or pieces[0] is None:
+        return None
+    own = pieces[0]
+    if name in _IN_PLACE and len(eqn.invars) == 1:
+        return own
+    if name == "rev":
+        if own.axis not in eqn.params["dimensions"]:
+            return own
+        size = own.bounds[-1]
+        bounds = tuple(size - b for b in reversed(own.bounds))
+        return _Pieces(own.axis, bounds, tuple(reversed(own.origins)))
+    if name == "transpose":
+        return own._replace(axis=list(eqn.params["permutation"]).index(own.axis))
+    if name == "squeeze":
+        dims = eqn.params["dimensions"]
+        if own.axis in dims:
+            return None
+        return own._replace(axis=own.axis - sum(1 for d in dims if d < own.axis))
+    if name == "broadcast_in_dim":
+        axis = eqn.params["broadcast_dimensions"][own.axis]
+        if eqn.params["shape"][axis] != own.bounds[-1]:
+            return None
+        return own._replace(axis=axis)
+    window = _window(eqn, invals)
+    if window is not None:
+        start, stop, stride = window[own.axis]
+        kept = _kept(own, start, stop, stride)
+        if len(kept) < 2:
+            return None
+        bounds = (*(lo for lo, _, _ in kept), kept[-1][1])
+        return _Pieces(own.axis, bounds, tuple(o for _, _, o in kept))
+    return None
+
+
+def origin_of_slice(
+    eqn: JaxprEqn, invals: list[Any], own: _Pieces | None, outval: Any, kinds: tuple[str, ...]
+) -> Any:
+    """The origin a slice of an array of pieces `own` takes from it: the earliest
+    of the pieces it keeps whose part of `outval` is not finite; `None` when it is
+    not such a slice."""
+    if own is None:
+        return None
+    window = _window(eqn, invals)
+    if window is None:
+        return None
+    start, stop, stride = window[own.axis]
+    traced = []
+    for lo, hi, origin in _kept(own, start, stop, stride):
+        if isinstance(origin, _Origin):
+            part = jax.lax.slice_in_dim(outval, lo, hi, axis=own.axis)
+            traced.append(_validated(origin, part, kinds))
+    return _earliest(traced) if traced else _FINITE
+
+
+def _kept(own: _Pieces, start: int, stop: int, stride: int) -> list[tuple[int, int, Any]]:
+    """The pieces a slice `start:stop:stride` keeps, as `(lo, hi, origin)` with
+    `lo:hi` the range of the slice's output they fill."""
+    kept = []
+    for k, origin in enumerate(own.origins):
+        lo, hi = max(own.bounds[k], start), min(own.bounds[k + 1], stop)
+        if lo >= hi:
+            continue
+        # The output positions of the input indices in lo:hi on the stride.
+        first = -(-(lo - start) // stride)
+        end = -(-(hi - start) // stride)
+        if first < end:
+            kept.append((first, end, origin))
+    return kept
+
+
+def _window(eqn: JaxprEqn, invals: list[Any]) -> list[tuple[int, int, int]] | None:
+    """`(start, stop, stride)` per axis of a `slice`, or of a `dynamic_slice` whose
+    indices are known while tracing; `None` for any other equation."""
+    name = eqn.primitive.name
+    shape = np.shape(invals[0])
+    if name == "slice":
+        strides = eqn.params["strides"] or (1,) * len(shape)
+        return list(
+            zip(eqn.params["start_indices"], eqn.params["limit_indices"], strides, strict=True)
+        )
+    if name == "dynamic_slice":
+        indices = invals[1 : 1 + len(shape)]
+        if len(indices) != len(shape) or any(isinstance(i, Tracer) for i in indices):
+            return None
+        sizes = eqn.params["slice_sizes"]
+        window = []
+        for index, size, dim in zip(indices, sizes, shape, strict=True):
+            # Out of range, dynamic_slice clamps the start.
+            start = min(max(int(index), 0), dim - size)
+            window.append((start, start + size, 1))
+        return window
+    return None
+
+
+def _concatenated(
+    eqn: JaxprEqn, invals: list[Any], origins: list[Any], pieces: list[_Pieces | None]
+) -> _Pieces | None:
+    axis = eqn.params["dimension"]
+    bounds, parts = [0], []
+    for value, origin, own in zip(invals, origins, pieces, strict=True):
+        size = np.shape(value)[axis]
+        if size == 0:
+            continue
+        offset = bounds[-1]
+        if own is not None and own.axis == axis:
+            parts.extend(own.origins)
+            bounds.extend(offset + b for b in own.bounds[1:])
+            continue
+        part = _piece_origin(origin, value)
+        if part is None:
+            return None
+        parts.append(part)
+        bounds.append(offset + size)
+    if len({id(p) for p in parts if isinstance(p, _Origin)}) < 2:
+        return None  # one origin: the array's is exact
+    return _Pieces(axis, tuple(bounds), tuple(parts))
+
+
+def _padded(eqn: JaxprEqn, invals: list[Any], origins: list[Any]) -> _Pieces | None:
+    """A `pad` along one axis, without interior padding: padding, operand, padding."""
+    config = eqn.params["padding_config"]
+    padded = [i for i, (lo, hi, interior) in enumerate(config) if (lo, hi, interior) != (0, 0, 0)]
+    if len(padded) != 1:
+        return None
+    axis = padded[0]
+    lo, hi, interior = config[axis]
+    if interior != 0 or lo < 0 or hi < 0:
+        return None
+    operand = _piece_origin(origins[0], invals[0])
+    fill = _piece_origin(origins[1], invals[1])
+    if (
+        operand is None
+        or fill is None
+        or not (isinstance(operand, _Origin) and isinstance(fill, _Origin))
+    ):
+        return None
+    size = np.shape(invals[0])[axis]
+    bounds, parts = [0], []
+    for length, part in ((lo, fill), (size, operand), (hi, fill)):
+        if length:
+            parts.append(part)
+            bounds.append(bounds[-1] + length)
+    return _Pieces(axis, tuple(bounds), tuple(parts))
+
+
+class _Pieced:
+    """A value's origin and its `_Pieces`, as they cross into a call's body (a
+    `jit`: `jnp.flip` is one) and back out of it."""
+
+    def __init__(self, origin: Any, pieces: _Pieces) -> None:
+        self.origin = origin
+        self.pieces = pieces
+
+
+jax.tree_util.register_pytree_node(
+    _Pieced,
+    lambda p: ((p.origin, p.pieces.origins), (p.pieces.axis, p.pieces.bounds)),
+    lambda aux, children: _Pieced(children[0], _Pieces(aux[0], aux[1], tuple(children[1]))),
+)
+
+
+def with_pieces(origins: list[Any], pieces: list[_Pieces | None]) -> tuple[Any, ...]:
+    """`origins`, each with its value's pieces if it has some."""
+    return tuple(o if p is None else _Pieced(o, p) for o, p in zip(origins, pieces, strict=True))
+
+
+def without_pieces(entries: Any) -> tuple[list[Any], list[_Pieces | None]]:
+    """The origins and the pieces of what `with_pieces` made."""
+    origins = [e.origin if isinstance(e, _Pieced) else e for e in entries]
+    pieces = [e.pieces if isinstance(e, _Pieced) else None for e in entries]
+    return origins, pieces
