@@ -25,6 +25,7 @@ SECTIONS = (
     "effects",
     "memory",
     "effects_trace",
+    "small_trace",
     "checks_shard_map",
     "nans",
     "flops",

@@ -1666,6 +1666,36 @@ def test_reap_while_init_inside_scan_and_inside_a_nested_while():
         assert_tree_close(sown["last"]["value"], jnp.float32(value))
 
 
+def test_reap_while_traces_its_body_once(monkeypatch):
+    # A name first sown directly in the body, with an init, starts the carry at
+    # its init: the body is not traced a first time to find its shape, and the
+    # condition, where nothing is sown, is not traced again at all.
+    import kups.effects._body as body_module
+
+    traced = []
+    trace_body = body_module.trace_body
+
+    def counting(*args, **kwargs):
+        traced.append(kwargs.get("name"))
+        return trace_body(*args, **kwargs)
+
+    monkeypatch.setattr(body_module, "trace_body", counting)
+
+    def f(x, trips):
+        def body(state):
+            i, v = state
+            return i + 1, sow(jnp.sin(v), tag="t", name="v", mode="clobber", init=-1.0)
+
+        return lax.while_loop(lambda s: s[0] < trips, body, (0, x))[1]
+
+    reaped = jax.jit(reap(f, tag="t"))
+    for trips, value in [(0, -1.0), (2, np.sin(np.sin(np.float32(0.5))))]:
+        out, sown = reaped(jnp.float32(0.5), trips)
+        assert_tree_close(sown["v"], jnp.float32(value))
+        assert_tree_close(out, jax.jit(f)(jnp.float32(0.5), trips))
+    assert traced == ["while_loop body"]
+
+
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
 def test_reap_while_init_inside_shard_map(axis_type):
     mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(axis_type,) * 2)

@@ -303,7 +303,7 @@ def test_compiler_options_kept():
 
 @pytest.mark.xfail(
     strict=True,
-    reason="reinterpret traces fn with jax.make_jaxpr, and JAX rejects compiler_options "
+    reason="reinterpret traces fn inside a trace, and JAX rejects compiler_options "
     "on a jit inside a trace; a top-level jitted fn with compiler_options cannot be "
     "interpreted",
 )

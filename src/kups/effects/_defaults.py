@@ -7,6 +7,8 @@ defined; `kups.effects` imports every one of them before anything can call
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._dispatcher import Dispatcher
 from ._matching import contains_subjaxprs
 from ._registry import DEFAULT_HANDLERS
@@ -24,6 +26,15 @@ def default_dispatcher() -> Dispatcher:
 
     A new `Dispatcher`; changing it changes no other.
     """
-    dispatcher = Dispatcher(DEFAULT_HANDLERS)
-    dispatcher.register_custom_matching_rule(contains_subjaxprs)
-    return dispatcher
+    global _TEMPLATE
+    if _TEMPLATE is None or _TEMPLATE[0] != DEFAULT_HANDLERS:
+        # Registering checks each name against JAX's primitives: do it once, and
+        # again only when a handler module registers more.
+        dispatcher = Dispatcher(DEFAULT_HANDLERS)
+        dispatcher.register_custom_matching_rule(contains_subjaxprs)
+        _TEMPLATE = (dict(DEFAULT_HANDLERS), dispatcher)
+    return _TEMPLATE[1].copy()
+
+
+# The registry as it was when the template dispatcher was built, and the template.
+_TEMPLATE: tuple[dict[str, Any], Dispatcher] | None = None

@@ -12,6 +12,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from . import _compat
 from ._interpreter import Interpreter
 from ._source import api_boundary, call_site
 
@@ -112,10 +113,10 @@ def wraps_with_leading(fn: Callable[..., Any], *names: str) -> Callable[[F], F]:
         described = _unpartial(fn)
         wrapper.__doc__ = getattr(described, "__doc__", None)
         wrapper.__module__ = getattr(described, "__module__", None) or wrapper.__module__
-        wrapper.__signature__ = signature_with_leading(fn, *names)  # pyright: ignore[reportAttributeAccessIssue]
         if "__wrapped__" in getattr(wrapper, "__dict__", {}):
             del wrapper.__wrapped__  # pyright: ignore[reportAttributeAccessIssue]
-        return described_by(wrapper, fn)
+        # The signature is read when asked for: effects wrap a function at each call.
+        return described_by(wrapper, fn, signature=lambda: signature_with_leading(fn, *names))
 
     return decorate
 
@@ -131,14 +132,28 @@ class _Described:
     function does.
     """
 
-    def __init__(self, wrapper: Callable[..., Any], fn: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        wrapper: Callable[..., Any],
+        fn: Callable[..., Any],
+        signature: Callable[[], inspect.Signature | None],
+    ) -> None:
         self._wrapper = wrapper
-        for name in ("__name__", "__qualname__", "__doc__", "__module__", "__signature__"):
+        self._signature_of = signature
+        self._signature: list[inspect.Signature | None] = []
+        for name in ("__name__", "__qualname__", "__doc__", "__module__"):
             if hasattr(wrapper, name):
                 setattr(self, name, getattr(wrapper, name))
         code = getattr(_unpartial(fn), "__code__", None)
         if code is not None:
             self.__code__ = code
+
+    @property
+    def __signature__(self) -> inspect.Signature | None:
+        """What `inspect.signature` shows, computed once when first asked for."""
+        if not self._signature:
+            self._signature.append(self._signature_of())
+        return self._signature[0]
 
     @api_boundary  # so that its own frame is filtered out of tracebacks too
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -151,10 +166,17 @@ class _Described:
         return f"<kups wrapper of {getattr(self, '__qualname__', '?')}>"
 
 
-def described_by(wrapper: F, fn: Callable[..., Any]) -> F:
+def described_by(
+    wrapper: F,
+    fn: Callable[..., Any],
+    signature: Callable[[], inspect.Signature | None] | None = None,
+) -> F:
     """`wrapper`, which JAX's messages describe by `fn`'s source file and line (as
-    they describe `fn` itself) rather than by the wrapper's own code."""
-    return _Described(wrapper, fn)  # pyright: ignore[reportReturnType]
+    they describe `fn` itself) rather than by the wrapper's own code; its
+    signature is `signature()` (by default `wrapper`'s), read when first asked for."""
+    if signature is None:
+        signature = functools.partial(user_signature, wrapper)
+    return _Described(wrapper, fn, signature)  # pyright: ignore[reportReturnType]
 
 
 def _unpartial(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -248,39 +270,57 @@ def reinterpret(fn: Callable[..., Any], interpreter: Interpreter) -> Callable[..
             f"reinterpret(fn, interpreter) needs a kups.effects.Interpreter, got "
             f"{type(interpreter).__name__}. Build one with Interpreter(default_dispatcher())."
         )
-    signature = user_signature(fn)
 
     def call(ctx: Ctx, *args: Any, **kwargs: Any) -> tuple[Any, Ctx]:
-        if missing_leading_argument(signature, ctx, args, kwargs):
-            name = _names(fn)[1]
-            raise TypeError(
-                f"The reinterpreted {name}{signature} was called with "
-                f"{len(args)} positional argument(s) after the context, one fewer than it "
-                f"needs: the first argument of a reinterpreted function is the context, "
-                f"so your first argument was taken for it. Call it as "
-                f"wrapped(ctx, *args), where ctx is the context the interpreter's handlers "
-                f"thread through (any pytree; None if they read none)."
-            )
         dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
         dyn_leaves, dyn_tree = jax.tree.flatten(dynamic)
         out_static: list[Any] = []
 
         def flat_fn(*leaves: Any) -> list[Any]:
             call_args, call_kwargs = eqx.combine(jax.tree.unflatten(dyn_tree, leaves), static)
-            out = fn(*call_args, **call_kwargs)
+            try:
+                out = fn(*call_args, **call_kwargs)
+            except TypeError as error:
+                # Read `fn`'s signature only when the call failed.
+                _check_context_given(fn, ctx, args, kwargs, error)
+                raise
             out_dynamic, out_static_part = eqx.partition(out, eqx.is_array)
             out_leaves, out_tree = jax.tree.flatten(out_dynamic)
             out_static.append((out_tree, out_static_part))
             return out_leaves
 
         with call_site():
-            closed = jax.make_jaxpr(flat_fn)(*dyn_leaves)
+            avals = [jax.typeof(leaf) for leaf in dyn_leaves]
+            jaxpr, _, consts = _compat.trace_to_jaxpr(flat_fn, avals, "kups reinterpret", fn)
+            closed = _compat.new_closed_jaxpr(jaxpr, consts)
             outs, ctx = interpreter(closed, ctx, *dyn_leaves)
         outs = [_as_array(out) for out in outs]
         out_tree, out_static_part = out_static[0]
         return eqx.combine(jax.tree.unflatten(out_tree, outs), out_static_part), ctx
 
     return wraps_with_leading(fn, "ctx")(call)
+
+
+def _check_context_given(
+    fn: Callable[..., Any],
+    ctx: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    error: Exception,
+) -> None:
+    """A `TypeError` saying so when `fn` failed to bind its arguments because its
+    first one was taken for the context."""
+    signature = user_signature(fn)
+    if missing_leading_argument(signature, ctx, args, kwargs):
+        name = _names(fn)[1]
+        raise TypeError(
+            f"The reinterpreted {name}{signature} was called with "
+            f"{len(args)} positional argument(s) after the context, one fewer than it "
+            f"needs: the first argument of a reinterpreted function is the context, "
+            f"so your first argument was taken for it. Call it as "
+            f"wrapped(ctx, *args), where ctx is the context the interpreter's handlers "
+            f"thread through (any pytree; None if they read none)."
+        ) from error
 
 
 def _as_array(value: Any) -> Any:

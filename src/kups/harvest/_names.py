@@ -67,3 +67,22 @@ class NameKey:
 
     def __str__(self) -> str:
         return f"[{show_path(self.path)!r} (tag {self.tag!r})]"
+
+
+class LazyLine:
+    """The source line of an equation, read when first shown: `str(line)` and
+    f-strings give `source_line(eqn)`. Reading it walks the equation's traceback,
+    and most lines kept for messages are never shown."""
+
+    __slots__ = ("_eqn", "_text")
+
+    def __init__(self, eqn: JaxprEqn) -> None:
+        self._eqn = eqn
+        self._text: str | None = None
+
+    def __str__(self) -> str:
+        if self._text is None:
+            from kups.effects import source_line
+
+            self._text = source_line(self._eqn)
+        return self._text

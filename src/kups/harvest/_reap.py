@@ -30,7 +30,7 @@ from kups.effects import (
 
 from ._batched import with_batched
 from ._custom_jvp import reap_custom_jvp
-from ._names import SowPath, Tag, describe, path_of, show_path
+from ._names import LazyLine, SowPath, Tag, describe, path_of, show_path
 from ._reaped import Reaped, filled_with_init, init_of, nested
 from ._rules import check_cond, check_scan, check_while
 from ._selection import Selection, pass_through, selective_interpreter, sows_in, specs_like
@@ -44,7 +44,7 @@ class Reaper:
     def __init__(self, selection: Selection):
         self.selection = selection
         self.tag = selection.tag
-        self.first_sown: dict[SowPath, str] = {}
+        self.first_sown: dict[SowPath, str | LazyLine] = {}
 
     def sows(self, jaxpr: Jaxpr | ClosedJaxpr) -> list[JaxprEqn]:
         return [eqn for eqn in sows_in(jaxpr) if self.selection.selects(eqn)]
@@ -82,9 +82,11 @@ class Reaper:
         untaken = pass_through(self.selection, interpreter, ctx, eqn, invals)
         if untaken is not None:
             return untaken
-        return HandlerResult(self.add(ctx, eqn.params, invals, source_line(eqn)), list(invals))
+        return HandlerResult(self.add(ctx, eqn.params, invals, LazyLine(eqn)), list(invals))
 
-    def add(self, ctx: Reaped, params: dict[str, Any], operands: list[Any], where: str) -> Reaped:
+    def add(
+        self, ctx: Reaped, params: dict[str, Any], operands: list[Any], where: str | LazyLine
+    ) -> Reaped:
         """`ctx` with the sow of `params` on `operands` (bound at `where`) added."""
         path, mode = (*params["scope"], params["name"]), params["mode"]
         pred, leaves = split_operands(params, operands)
@@ -97,7 +99,7 @@ class Reaper:
             value = self.where(ctx, path, params, pred, value, where)
         return ctx.sown(path, value, mode)
 
-    def check_again(self, ctx: Reaped, path: SowPath, mode: str, where: str) -> None:
+    def check_again(self, ctx: Reaped, path: SowPath, mode: str, where: str | LazyLine) -> None:
         """A name already sown is sown again at `where`: only "clobber" allows it."""
         before = ctx.modes[path]
         first = self.first_sown.get(path, "unknown")
@@ -126,7 +128,13 @@ class Reaper:
             )
 
     def where(
-        self, ctx: Reaped, path: SowPath, params: dict[str, Any], pred: Any, value: Any, at: str
+        self,
+        ctx: Reaped,
+        path: SowPath,
+        params: dict[str, Any],
+        pred: Any,
+        value: Any,
+        at: str | LazyLine,
     ) -> Any:
         """The value of a `sow_cond`: `value` where `pred` holds, the name's value so
         far (or its `init`) elsewhere."""
@@ -170,17 +178,47 @@ class Reaper:
                     f"not invent one. Give sow_cond(..., init=<number>), or sow an initial "
                     f"value with sow(..., mode='clobber') before."
                 )
-            _, operands = split_operands(params, list(sow_eqn.invars))
-            leaves = []
-            for operand in operands:
-                leaf = filled_with_init(self.tag, params, source_line(sow_eqn), operand.aval)
-                # Inside shard_map, a loop carries it with the sown value's
-                # varying manual axes.
-                varying = tuple(sorted(varying_axes(operand.aval), key=str))
-                leaves.append(jax.lax.pcast(leaf, varying, to="varying") if varying else leaf)
-            value = jax.tree.unflatten(params["tree"], leaves)
-            self.first_sown.setdefault(path, source_line(sow_eqn))
-            ctx = ctx.sown(path, value, params["mode"])
+            ctx = self._init_value(ctx, sow_eqn)
+        return ctx
+
+    def _init_value(self, ctx: Reaped, sow_eqn: JaxprEqn) -> Reaped:
+        """`ctx` with the name of `sow_eqn` set to its `init`, in the shape and
+        dtype of its value."""
+        path, params = path_of(sow_eqn), sow_eqn.params
+        _, operands = split_operands(params, list(sow_eqn.invars))
+        leaves = []
+        for operand in operands:
+            leaf = filled_with_init(self.tag, params, LazyLine(sow_eqn), operand.aval)
+            # Inside shard_map, a loop carries it with the sown value's
+            # varying manual axes.
+            varying = tuple(sorted(varying_axes(operand.aval), key=str))
+            leaves.append(jax.lax.pcast(leaf, varying, to="varying") if varying else leaf)
+        value = jax.tree.unflatten(params["tree"], leaves)
+        self.first_sown.setdefault(path, LazyLine(sow_eqn))
+        return ctx.sown(path, value, params["mode"])
+
+    def preseeded(
+        self, ctx: Reaped, inits: dict[SowPath, JaxprEqn], in_loop: list[JaxprEqn], eqn: JaxprEqn
+    ) -> Reaped:
+        """`ctx` with each name of `inits` set to its `init` when every sow of it in
+        the loop sits directly in its body or condition: the value the loop's
+        initializer would give, known without tracing the body to find its shape
+        (so the body is traced once)."""
+        direct = {
+            id(e)
+            for jaxpr in (eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"])
+            for e in _direct_eqns(jaxpr)
+        }
+        for path, init in inits.items():
+            sows = [e for e in in_loop if path_of(e) == path]
+            avals = {
+                tuple(v.aval for v in split_operands(e.params, list(e.invars))[1]) for e in sows
+            }
+            if len(avals) == 1 and all(
+                id(e) in direct and e.params["mode"] == "clobber" and not e.params["conditional"]
+                for e in sows
+            ):
+                ctx = self._init_value(ctx, init)
         return ctx
 
     def scan(
@@ -201,7 +239,9 @@ class Reaper:
             if path in ctx.values or out.modes[path] != "clobber":
                 values[path] = value
             elif length > 0:
-                values[path] = jax.tree.map(lambda stacked: stacked[last], value)
+                values[path] = jax.tree.map(
+                    lambda stacked: jax.lax.index_in_dim(stacked, last, keepdims=False), value
+                )
             else:
                 # A clobber name first sown in a scan that never runs has no value,
                 # unless its sow says what a zero-trip loop yields.
@@ -241,6 +281,7 @@ class Reaper:
                         f"sow(..., mode='clobber', init=<number>)."
                     )
                 inits[path] = init
+        ctx = self.preseeded(ctx, inits, in_loop, eqn)
 
         def initializer(ctx_before: Reaped, sentinel: Reaped) -> Reaped:
             new = [path for path in sentinel.values if path not in ctx_before.values]
@@ -392,3 +433,8 @@ def reap(
         return out, reaper.result(ctx)
 
     return stage_eagerly(wrapped)
+
+
+def _direct_eqns(jaxpr: ClosedJaxpr | Jaxpr) -> list[JaxprEqn]:
+    """The equations of a (closed) jaxpr, not those of its sub-programs."""
+    return list(jaxpr.jaxpr.eqns if isinstance(jaxpr, ClosedJaxpr) else jaxpr.eqns)

@@ -66,7 +66,7 @@ def init_of(tag: Tag, path: SowPath, sows: list[JaxprEqn]) -> JaxprEqn | None:
     return given[0] if given else None
 
 
-def filled_with_init(tag: Tag, params: Mapping[str, Any], at: str, like: Any) -> Any:
+def filled_with_init(tag: Tag, params: Mapping[str, Any], at: object, like: Any) -> Any:
     """An array of `like`'s shape and dtype filled with the `init` of the sow of
     `params` (at source line `at`), which that dtype must hold (an integer leaf
     cannot hold NaN or 0.5; JAX would convert it silently)."""
@@ -93,9 +93,8 @@ def filled_with_init(tag: Tag, params: Mapping[str, Any], at: str, like: Any) ->
             f"cannot hold. init fills every leaf: give one that each leaf's dtype holds "
             f"exactly, or sow an initial value before the loop."
         )
-    return jnp.full(
-        like.shape, init if jnp.issubdtype(dtype, jnp.complexfloating) else value.real, dtype
-    )
+    fill = init if jnp.issubdtype(dtype, jnp.complexfloating) else value.real
+    return jax.lax.full(like.shape, fill, dtype)
 
 
 def nested(values: Mapping[SowPath, Any]) -> dict[str, Any]:

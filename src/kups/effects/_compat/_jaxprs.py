@@ -29,14 +29,22 @@ from ._meshes import current_mesh
 
 
 def trace_to_jaxpr(
-    fn: Callable[..., Sequence[Any]], in_avals: Sequence[Any], name: str
+    fn: Callable[..., Sequence[Any]],
+    in_avals: Sequence[Any],
+    name: str,
+    source: Callable[..., Any] | None = None,
 ) -> tuple[Jaxpr, list[Any], list[Any]]:
     """Traces `fn(*flat_args) -> flat_outs` on `in_avals`.
 
     Returns the jaxpr (with `constvars`), its consts and its output avals. Tracers
-    of enclosing traces that `fn` closes over become consts. JAX 0.10 signature.
+    of enclosing traces that `fn` closes over become consts. JAX's messages about
+    the trace name `source` (by default `fn`) by its file and line; the flat
+    arguments have no names (reading `fn`'s signature for them costs more than
+    small programs take to trace). JAX 0.10 signature.
     """
-    debug_info = _api_util.debug_info(name, fn, tuple(in_avals), {})
+    debug_info = _core.DebugInfo(
+        name, _api_util.fun_sourceinfo(source or fn), None, _core.initial_result_paths
+    )
     wrapped = _lu.wrap_init(fn, debug_info=debug_info)
     jaxpr, out_avals, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
     return jaxpr, list(out_avals), list(consts)

@@ -15,6 +15,7 @@ from .._context import CtxSpec, diff
 from .._registry import default_handler_for
 from .._source import where
 from .._types import HandlerResult
+from .._untouched import untouched
 from .._validation import check_params
 from ._loop import (
     Initializer,
@@ -67,7 +68,7 @@ def default_while_handler(
 
     body, spec, ctx_values = resolve_carry(eqn, "while_loop", trace, ctx, initializer)
     body = with_updater(interpreter, eqn, "while_loop", body, arg_avals_of(body_jaxpr), updater)
-    cond = trace_interpreted(interpreter, cond_jaxpr, spec, name="while_loop condition")
+    cond = _condition(interpreter, cond_jaxpr, spec)
     _check_condition_keeps_ctx(eqn, spec, cond)
     num_ctx = spec.num_values
     # The condition's context outputs are its inputs (checked above): keep only
@@ -120,6 +121,36 @@ def default_while_handler(
         v if inv else next(carried_out) for v, inv in zip(ctx_values, invariant, strict=True)
     ]
     return HandlerResult(body.ctx_out.unflatten(ctx_out), out[num_carried:])
+
+
+def _condition(interpreter: Any, cond_jaxpr: Any, spec: CtxSpec) -> TracedBody:
+    """The condition, taking the context and returning it unchanged.
+
+    A condition the interpreter would only re-bind as it is (nothing in it goes
+    to a handler, and no `interpret_jaxpr` override watches the jaxprs it runs)
+    is not traced again: its jaxpr gets the context's inputs, passed through.
+    """
+    from .._interpreter import Interpreter
+
+    handled = interpreter._handled
+    open_cond, consts = _compat.open_jaxpr(cond_jaxpr)
+    if (
+        type(interpreter).interpret_jaxpr is not Interpreter.interpret_jaxpr
+        or handled is None
+        or _compat.has_input_effects(open_cond)
+        or not untouched(open_cond, handled)
+    ):
+        return trace_interpreted(interpreter, cond_jaxpr, spec, name="while_loop condition")
+    hoisted = _compat.hoist_consts(open_cond)
+    num_consts = len(open_cond.constvars)
+    ctx_vars = [_compat.new_var(aval) for aval in spec.avals]
+    jaxpr = _compat.replace_jaxpr(
+        hoisted,
+        invars=[*hoisted.invars[:num_consts], *ctx_vars, *hoisted.invars[num_consts:]],
+        outvars=[*ctx_vars, *hoisted.outvars],
+    )
+    out_avals = (*spec.avals, *(v.aval for v in open_cond.outvars))
+    return TracedBody(jaxpr, tuple(consts), spec, spec, out_avals)
 
 
 def _batched_predicate(eqn: JaxprEqn) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -9,7 +10,7 @@ import equinox as eqx
 import jax
 
 from .. import _compat
-from .._reinterpret import described_by
+from .._reinterpret import described_by, user_signature
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -77,14 +78,15 @@ def stage_eagerly(wrapper: F, *, finish: Callable[[Any], Any] | None = None) -> 
             return wrapper(*args, **kwargs)
         return result if finish is None else finish(result)
 
-    for name in ("__name__", "__qualname__", "__doc__", "__module__", "__signature__"):
+    for name in ("__name__", "__qualname__", "__doc__", "__module__"):
         if hasattr(wrapper, name):
             setattr(call, name, getattr(wrapper, name))
     bounded = _compat.api_boundary(call)
     if "__wrapped__" in bounded.__dict__:
         del bounded.__wrapped__  # the wrapper is not `wrapper`'s callee
     # JAX describes it by the source `wrapper` is described by (the effect's `fn`).
-    return described_by(bounded, wrapper)  # pyright: ignore[reportReturnType]
+    signature = functools.partial(user_signature, wrapper)
+    return described_by(bounded, wrapper, signature)  # pyright: ignore[reportReturnType]
 
 
 def _hashable_statics(tree: Any) -> bool:
