@@ -112,7 +112,9 @@ class _TaintInterpreter(Interpreter):
         frame: dict[Any, Any] = dict.fromkeys(jaxpr.constvars)
         frame.update(zip(jaxpr.invars, origins, strict=True))
         self.frames.append(frame)
-        pieces = {v: p for v, p in zip(jaxpr.invars, in_pieces, strict=False) if p is not None}
+        pieces: dict[Any, Any] = {}
+        if len(in_pieces) == len(jaxpr.invars):  # a body that takes the inputs one to one
+            pieces = {v: p for v, p in zip(jaxpr.invars, in_pieces, strict=True) if p is not None}
         self.pieces.append(pieces)
         self.pending.append(0)
         try:
