@@ -155,3 +155,20 @@ def trace_interpreted(
     return trace_body(
         interpreter, interpret_fn(interpreter, jaxpr), ctx_spec, arg_avals, key=jaxpr, name=name
     )
+
+
+def passed_through(jaxpr: ClosedJaxpr | Jaxpr, ctx_spec: CtxSpec) -> TracedBody:
+    """`jaxpr` as a traced body that takes the context and returns it unchanged,
+    without tracing anything: for a sub-program the interpreter would only
+    re-bind (`Interpreter._only_rebinds`)."""
+    open_jaxpr, consts = _compat.open_jaxpr(jaxpr)
+    hoisted = _compat.hoist_consts(open_jaxpr)
+    num_consts = len(open_jaxpr.constvars)
+    ctx_vars = [_compat.new_var(aval) for aval in ctx_spec.avals]
+    new = _compat.replace_jaxpr(
+        hoisted,
+        invars=[*hoisted.invars[:num_consts], *ctx_vars, *hoisted.invars[num_consts:]],
+        outvars=[*ctx_vars, *hoisted.outvars],
+    )
+    out_avals = (*ctx_spec.avals, *(v.aval for v in open_jaxpr.outvars))
+    return TracedBody(new, tuple(consts), ctx_spec, ctx_spec, out_avals)

@@ -22,7 +22,7 @@ from ._plan import Walk, walk_plan
 from ._policy import BackwardPass
 from ._source import api_boundary
 from ._types import InterpreterPolicy
-from ._untouched import Handled, bind_run, handled_names
+from ._untouched import Handled, bind_run, handled_names, untouched
 from ._validation import check_arguments, check_static_leaves, checked_result, in_handler
 
 _CUSTOM_VJP_CALLS = ("custom_vjp_call", "custom_vjp_call_jaxpr")
@@ -147,6 +147,17 @@ class Interpreter:
             # register handlers for what it finds in the program it runs.
             if staging_starts:
                 self.dispatcher._staged = True
+
+    def _only_rebinds(self, jaxpr: Jaxpr) -> bool:
+        """Whether interpreting `jaxpr` would only re-bind its equations as they
+        are: no handler, policy or fallback acts on anything in it, and no
+        `interpret_jaxpr` override watches the jaxprs this interpreter runs."""
+        handled = self._handled
+        return (
+            type(self).interpret_jaxpr is Interpreter.interpret_jaxpr
+            and handled is not None
+            and untouched(jaxpr, handled)
+        )
 
     def interpret_jaxpr(
         self, jaxpr: Jaxpr, consts: Sequence[Any], ctx: Any, args: Sequence[Any]

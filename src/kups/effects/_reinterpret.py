@@ -140,7 +140,6 @@ class _Described:
     ) -> None:
         self._wrapper = wrapper
         self._signature_of = signature
-        self._signature: list[inspect.Signature | None] = []
         for name in ("__name__", "__qualname__", "__doc__", "__module__"):
             if hasattr(wrapper, name):
                 setattr(self, name, getattr(wrapper, name))
@@ -148,12 +147,10 @@ class _Described:
         if code is not None:
             self.__code__ = code
 
-    @property
+    @functools.cached_property
     def __signature__(self) -> inspect.Signature | None:
         """What `inspect.signature` shows, computed once when first asked for."""
-        if not self._signature:
-            self._signature.append(self._signature_of())
-        return self._signature[0]
+        return self._signature_of()
 
     @api_boundary  # so that its own frame is filtered out of tracebacks too
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

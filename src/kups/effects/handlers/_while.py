@@ -10,12 +10,11 @@ from jax.extend.core import JaxprEqn
 from jax.tree_util import keystr
 
 from .. import _compat
-from .._body import TracedBody, trace_body, trace_interpreted
+from .._body import TracedBody, passed_through, trace_body, trace_interpreted
 from .._context import CtxSpec, diff
 from .._registry import default_handler_for
 from .._source import where
 from .._types import HandlerResult
-from .._untouched import untouched
 from .._validation import check_params
 from ._loop import (
     Initializer,
@@ -124,33 +123,13 @@ def default_while_handler(
 
 
 def _condition(interpreter: Any, cond_jaxpr: Any, spec: CtxSpec) -> TracedBody:
-    """The condition, taking the context and returning it unchanged.
-
-    A condition the interpreter would only re-bind as it is (nothing in it goes
-    to a handler, and no `interpret_jaxpr` override watches the jaxprs it runs)
-    is not traced again: its jaxpr gets the context's inputs, passed through.
-    """
-    from .._interpreter import Interpreter
-
-    handled = interpreter._handled
-    open_cond, consts = _compat.open_jaxpr(cond_jaxpr)
-    if (
-        type(interpreter).interpret_jaxpr is not Interpreter.interpret_jaxpr
-        or handled is None
-        or _compat.has_input_effects(open_cond)
-        or not untouched(open_cond, handled)
-    ):
-        return trace_interpreted(interpreter, cond_jaxpr, spec, name="while_loop condition")
-    hoisted = _compat.hoist_consts(open_cond)
-    num_consts = len(open_cond.constvars)
-    ctx_vars = [_compat.new_var(aval) for aval in spec.avals]
-    jaxpr = _compat.replace_jaxpr(
-        hoisted,
-        invars=[*hoisted.invars[:num_consts], *ctx_vars, *hoisted.invars[num_consts:]],
-        outvars=[*ctx_vars, *hoisted.outvars],
-    )
-    out_avals = (*spec.avals, *(v.aval for v in open_cond.outvars))
-    return TracedBody(jaxpr, tuple(consts), spec, spec, out_avals)
+    """The condition, taking the context and returning it unchanged: traced with
+    the interpreter, or, when the interpreter would only re-bind it, its own
+    jaxpr with the context passed through (not traced again)."""
+    open_cond, _ = _compat.open_jaxpr(cond_jaxpr)
+    if not _compat.has_input_effects(open_cond) and interpreter._only_rebinds(open_cond):
+        return passed_through(cond_jaxpr, spec)
+    return trace_interpreted(interpreter, cond_jaxpr, spec, name="while_loop condition")
 
 
 def _batched_predicate(eqn: JaxprEqn) -> bool:
