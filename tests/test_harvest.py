@@ -1696,6 +1696,99 @@ def test_reap_while_traces_its_body_once(monkeypatch):
     assert traced == ["while_loop body"]
 
 
+def _nested_in_while(around):
+    """A while loop whose body holds `around` (a while, scan, cond or jit) around
+    a clobber sow with an init."""
+
+    def leaf(v):
+        return sow(jnp.sin(v), tag="t", name="v", mode="clobber", init=-1.0)
+
+    def inner(v, i):
+        if around == "while":
+            return lax.while_loop(lambda s: s[0] < i, lambda s: (s[0] + 1, leaf(s[1])), (0, v))[1]
+        if around == "scan":
+            return lax.scan(lambda c, _: (leaf(c), None), v, length=2)[0]
+        if around == "cond":
+            return lax.cond(v > 0, leaf, lambda v: leaf(v * 2.0), v)
+        return jax.jit(leaf)(v)
+
+    def f(x, trips):
+        def body(state):
+            i, v = state
+            return i + 1, inner(v, i)
+
+        return lax.while_loop(lambda s: s[0] < trips, body, (0, x))[1]
+
+    return f
+
+
+@pytest.mark.parametrize("around", ["while", "scan", "cond", "jit"])
+def test_reap_nested_while_traces_each_body_once(monkeypatch, around):
+    # A name sown with an init inside control flow nested in a loop's body also
+    # starts the loop's carry at its init: each body is traced once, not once
+    # per trace of the body around it.
+    import kups.effects._body as body_module
+
+    traced = []
+    trace_body = body_module.trace_body
+
+    def counting(*args, **kwargs):
+        traced.append(kwargs.get("name"))
+        return trace_body(*args, **kwargs)
+
+    monkeypatch.setattr(body_module, "trace_body", counting)
+    jax.make_jaxpr(reap(_nested_in_while(around), tag="t"), static_argnums=1)(jnp.float32(0.5), 3)
+    expected = {
+        "while": ["while_loop body", "while_loop body"],
+        "scan": ["while_loop body", "scan"],
+        "cond": ["while_loop body", "cond branch 0", "cond branch 1"],
+        "jit": ["while_loop body", "jit leaf"],
+    }
+    assert traced == expected[around]
+
+
+@pytest.mark.parametrize("around", ["while", "scan", "cond", "jit"])
+def test_reap_nested_while_values_are_those_without_the_shortcut(monkeypatch, around):
+    # Starting the carry at the init gives what tracing the body to find the
+    # name's shape, then starting it at the init, gives: 0 outer trips (the
+    # init), and inner loops that run 0, 1, 2 times.
+    from kups.harvest._reap import Reaper
+
+    f = _nested_in_while(around)
+    results = []
+    for shortcut in [True, False]:
+        if not shortcut:
+            monkeypatch.setattr(Reaper, "preseeded", lambda self, ctx, *args: ctx)
+        results.append(
+            [jax.jit(reap(f, tag="t"), static_argnums=1)(jnp.float32(0.5), n) for n in range(4)]
+        )
+    for (out, sown), (plain_out, plain_sown) in zip(*results, strict=True):
+        assert_tree_close(out, plain_out)
+        assert_tree_close(sown, plain_sown)
+    assert_tree_close(results[0][0][1]["v"], jnp.float32(-1.0))
+    assert_tree_close(results[0][3][0], jax.jit(f, static_argnums=1)(jnp.float32(0.5), 3))
+
+
+def test_reap_nested_while_keeps_the_error_of_a_name_one_branch_sows():
+    # A name sown in only one branch of a cond inside the loop is not started
+    # at its init: the error that it has no value in the other branch stays.
+    def f(x):
+        def body(state):
+            i, v = state
+            v = lax.cond(
+                i > 1,
+                lambda v: sow(v + 1.0, tag="t", name="v", mode="clobber", init=0.0),
+                lambda v: v,
+                v,
+            )
+            return i + 1, v
+
+        return lax.while_loop(lambda s: s[0] < 3, body, (0, x))[1]
+
+    with pytest.raises(ValueError, match="but not in branch 0"):
+        reap(f, tag="t")(jnp.float32(0.5))
+
+
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
 def test_reap_while_init_inside_shard_map(axis_type):
     mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(axis_type,) * 2)

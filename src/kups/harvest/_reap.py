@@ -33,7 +33,14 @@ from ._custom_jvp import reap_custom_jvp
 from ._names import LazyLine, SowPath, Tag, describe, path_of, show_path
 from ._reaped import Reaped, filled_with_init, init_of, nested
 from ._rules import check_cond, check_scan, check_while
-from ._selection import Selection, pass_through, selective_interpreter, sows_in, specs_like
+from ._selection import (
+    Selection,
+    pass_through,
+    selective_interpreter,
+    sows_around,
+    sows_in,
+    specs_like,
+)
 from ._sow import split_operands
 
 
@@ -200,14 +207,19 @@ class Reaper:
     def preseeded(
         self, ctx: Reaped, inits: dict[SowPath, JaxprEqn], in_loop: list[JaxprEqn], eqn: JaxprEqn
     ) -> Reaped:
-        """`ctx` with each name of `inits` set to its `init` when every sow of it in
-        the loop sits directly in its body or condition: the value the loop's
-        initializer would give, known without tracing the body to find its shape
-        (so the body is traced once)."""
-        direct = {
-            id(e)
-            for jaxpr in (eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"])
-            for e in _direct_eqns(jaxpr)
+        """`ctx` with each name of `inits` set to its `init` when that is the value
+        the loop's initializer would give, known without tracing the body to find
+        its shape (so the body is traced once, and nested loops do not trace theirs
+        again for each trace of the outer one).
+
+        It is when every sow of the name in the loop is a plain clobber sow of one
+        shape and dtype, inside nothing but `jit`s, `checkpoint`s, and loops and
+        conds that would give the name the same value had it none before: each
+        enclosing loop has a sow of it with `init` (a zero-trip loop yields the
+        init), and every branch of each enclosing cond sows it."""
+        around = {
+            **sows_around(eqn.params["cond_jaxpr"]),
+            **sows_around(eqn.params["body_jaxpr"]),
         }
         for path, init in inits.items():
             sows = [e for e in in_loop if path_of(e) == path]
@@ -215,11 +227,30 @@ class Reaper:
                 tuple(v.aval for v in split_operands(e.params, list(e.invars))[1]) for e in sows
             }
             if len(avals) == 1 and all(
-                id(e) in direct and e.params["mode"] == "clobber" and not e.params["conditional"]
+                e.params["mode"] == "clobber"
+                and not e.params["conditional"]
+                and all(self._keeps_value(path, outer) for outer in around[id(e)])
                 for e in sows
             ):
                 ctx = self._init_value(ctx, init)
         return ctx
+
+    def _keeps_value(self, path: SowPath, outer: JaxprEqn) -> bool:
+        """Whether `outer`, an equation around a clobber sow of `path`, gives the
+        name the value it would give had the name its init before `outer`."""
+        name, params = outer.primitive.name, outer.params
+        if name in _TRANSPARENT:
+            return True
+        if name == "scan":
+            return init_of(self.tag, path, self.sows(params["jaxpr"])) is not None
+        if name == "while":
+            in_loop = [*self.sows(params["cond_jaxpr"]), *self.sows(params["body_jaxpr"])]
+            return init_of(self.tag, path, in_loop) is not None
+        if name == "cond":
+            return all(
+                any(path_of(e) == path for e in self.sows(branch)) for branch in params["branches"]
+            )
+        return False
 
     def scan(
         self, interpreter: Interpreter, ctx: Reaped, eqn: JaxprEqn, invals: list[Any]
@@ -435,6 +466,8 @@ def reap(
     return stage_eagerly(wrapped)
 
 
-def _direct_eqns(jaxpr: ClosedJaxpr | Jaxpr) -> list[JaxprEqn]:
-    """The equations of a (closed) jaxpr, not those of its sub-programs."""
-    return list(jaxpr.jaxpr.eqns if isinstance(jaxpr, ClosedJaxpr) else jaxpr.eqns)
+# Control flow that runs its body once, as it is: a clobber sow inside gives its
+# value as it would directly.
+_TRANSPARENT = frozenset(
+    {"pjit", "jit", "closed_call", "core_call", "call", "checkpoint", "remat2"}
+)

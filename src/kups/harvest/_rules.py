@@ -29,6 +29,8 @@ def check_while(tag: Tag, sows: list[JaxprEqn], eqn: JaxprEqn) -> None:
     """Only clobber names (and `sow_cond`) may be sown inside a while loop."""
     for sow_eqn in sows:
         path, mode = path_of(sow_eqn), sow_eqn.params["mode"]
+        if mode == "clobber":
+            continue
         where = f"at {source_line(sow_eqn)}, inside the while_loop at {source_line(eqn)}"
         if mode == "append":
             raise ValueError(

@@ -151,6 +151,17 @@ def sows_in(jaxpr: Jaxpr | ClosedJaxpr) -> tuple[JaxprEqn, ...]:
     return found
 
 
+def sows_around(jaxpr: Jaxpr | ClosedJaxpr) -> dict[int, tuple[JaxprEqn, ...]]:
+    """The control-flow equations around each `sow` of `jaxpr` (keyed by the
+    sow equation's `id`), outermost first; a sow directly in `jaxpr` has none."""
+    open_jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+    return {
+        id(eqn): around
+        for eqn, around in equations_in(open_jaxpr, enter=_entered)
+        if eqn.primitive is sow_p
+    }
+
+
 def _entered(eqn: JaxprEqn) -> bool:
     return eqn.primitive.name in _interpreted()
 
