@@ -861,6 +861,13 @@ _PIECE_MOVES = {
     "broadcast_in_dim": lambda x: jnp.broadcast_to(_halves(x), (3, 4))[:, 2:],
     "concatenate of pieces": lambda x: jnp.concatenate([_halves(x), x * 2.0])[2:4],
     "pad": lambda x: _padded_with_nan(x)[:2],
+    "reshape (split)": lambda x: _halves(x).reshape(2, 2)[1],
+    "reshape (merge)": lambda x: jnp.stack([_halves(x)[:2], _halves(x)[2:]]).reshape(4)[2:],
+    "select_n (where)": lambda x: jnp.where(jnp.arange(4) < 9, _halves(x), jnp.sin(x[0]))[2:],
+    "reduce_max (another axis)": lambda x: _half_rows(x).max(axis=0)[2:],
+    "sort (another axis)": lambda x: jnp.sort(_half_rows(x), axis=0)[:, 2:],
+    "cummax (another axis)": lambda x: lax.cummax(_half_rows(x), axis=0)[:, 2:],
+    "convert to a wider float": lambda x: _halves(x.astype(jnp.bfloat16)).astype(jnp.float32)[2:],
 }
 
 
@@ -869,7 +876,8 @@ _PIECE_MOVES = {
 def test_a_slice_takes_the_origins_of_the_parts_it_keeps(move, jit):
     fn = _PIECE_MOVES[move]
     fn = jax.jit(fn) if jit else fn
-    marker = "pad-nan" if move == "pad" else "rows-nan" if move == "transpose" else "halves-nan"
+    rows = move == "transpose" or "another axis" in move
+    marker = "pad-nan" if move == "pad" else "rows-nan" if rows else "halves-nan"
     out = fn(jnp.ones(2))
     assert np.isnan(np.asarray(out)).all()
     expect(report_of(fn, jnp.ones(2)), "sqrt", marker)
@@ -890,6 +898,21 @@ def test_a_slice_that_keeps_both_parts_takes_the_earliest(jit):
     expect(report_of(wrap(keeps_the_inf), jnp.ones(2)), "div", "halves-nan", kind="inf")
     expect(report_of(wrap(keeps_both), jnp.ones(2)), "div", "halves-nan", kind="inf")
     assert report_of(wrap(drops_both), jnp.ones(2)).found is False
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_equation_that_can_make_an_inf_ends_the_parts(jit):
+    # Converting to float16 overflows the finite part. The convert can make an
+    # Inf, so its output has no parts: the slice keeping the Inf follows the
+    # array (whose earliest event is the sqrt), and the Inf is not lost as
+    # it would be were the finite part's origin kept.
+    def f(x):
+        parts = jnp.concatenate([x * 1e6, jnp.sqrt(x - 5.0)])  # parts-nan
+        return parts.astype(jnp.float16)[:2]
+
+    fn = jax.jit(f) if jit else f
+    assert np.isinf(np.asarray(fn(jnp.ones(2)))).all()
+    expect(report_of(fn, jnp.ones(2)), "sqrt", "parts-nan")
 
 
 def test_a_gather_follows_the_array():

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 from jax.extend.core import JaxprEqn
@@ -47,10 +48,12 @@ _IN_PLACE = frozenset(
         "pvary",
         "pcast",
         "sharding_constraint",
-        "convert_element_type",
-        "reduce_precision",
     }
 )
+
+# Equations of one input that keep each position along the axes they do not
+# name (`axes` or `dimension` params) and make no NaN/Inf.
+_ALONG_OTHER_AXES = frozenset({"reduce_max", "reduce_min", "cummax", "cummin", "sort"})
 
 
 def _piece_origin(origin: Any, value: Any) -> Any:
@@ -74,10 +77,24 @@ def pieces_made(
         return _concatenated(eqn, invals, origins, pieces)
     if name == "pad":
         return _padded(eqn, invals, origins)
+    if name == "select_n":
+        return _selected(invals, origins, pieces)
+    if name == "stack":
+        return _stacked(eqn, invals, origins)
     if not pieces or pieces[0] is None:
         return None
     own = pieces[0]
-    if name in _IN_PLACE and len(eqn.invars) == 1:
+    if len(eqn.invars) == 1 and (name in _IN_PLACE or _widening(eqn, invals[0])):
+        return own
+    if name == "reshape":
+        return _reshaped(own, np.shape(invals[0]), tuple(eqn.params["new_sizes"]))
+    if name in _ALONG_OTHER_AXES and len(eqn.invars) == 1:
+        named = eqn.params.get("axes", (eqn.params.get("dimension", eqn.params.get("axis")),))
+        axes = {a % len(np.shape(invals[0])) for a in named}
+        if own.axis in axes:
+            return None
+        if name.startswith("reduce"):
+            return own._replace(axis=own.axis - sum(1 for a in axes if a < own.axis))
         return own
     if name == "rev":
         if own.axis not in eqn.params["dimensions"]:
@@ -106,6 +123,62 @@ def pieces_made(
         bounds = (*(lo for lo, _, _ in kept), kept[-1][1])
         return _Pieces(own.axis, bounds, tuple(o for _, _, o in kept))
     return None
+
+
+def _widening(eqn: JaxprEqn, value: Any) -> bool:
+    """Whether `eqn` converts floats to a float dtype that holds each of them
+    (so it makes no Inf)."""
+    if eqn.primitive.name != "convert_element_type":
+        return False
+    source, target = value.dtype, eqn.params["new_dtype"]
+    floats = all(jnp.issubdtype(d, jnp.floating) for d in (source, target))
+    return floats and bool(jnp.finfo(target).max >= jnp.finfo(source).max)
+
+
+def _reshaped(own: _Pieces, shape: tuple[int, ...], new: tuple[int, ...]) -> _Pieces | None:
+    """The pieces after a reshape that keeps the pieced axis whole: as it is, merged
+    with the axes after it (ranges scaled), or split with every bound falling
+    on a multiple of the new axis' step."""
+    before = int(np.prod(shape[: own.axis]))
+    size = shape[own.axis]
+    axis, seen = 0, 1
+    while axis < len(new) and (seen < before or (new[axis] == 1 and size != 1)):
+        seen *= new[axis]
+        axis += 1
+    if seen != before or axis == len(new):
+        return None
+    length = new[axis]
+    if length % size == 0:
+        scale = length // size
+        return _Pieces(axis, tuple(b * scale for b in own.bounds), own.origins)
+    step = size // length
+    if size % length or any(b % step for b in own.bounds):
+        return None
+    bounds = tuple(b // step for b in own.bounds)
+    if len(set(bounds)) != len(bounds):
+        return None
+    return _Pieces(axis, bounds, own.origins)
+
+
+def _selected(
+    invals: list[Any], origins: list[Any], pieces: list[_Pieces | None]
+) -> _Pieces | None:
+    """A `select_n` of cases with pieces along one axis and range (or with one
+    origin): each range takes the earliest origin of the cases there."""
+    cases = list(zip(invals[1:], origins[1:], pieces[1:], strict=True))
+    layouts = {(p.axis, p.bounds) for _, _, p in cases if p is not None}
+    if len(layouts) != 1:
+        return None
+    axis, bounds = layouts.pop()
+    per_piece: list[list[Any]] = [[] for _ in bounds[1:]]
+    for value, origin, own in cases:
+        parts = own.origins if own is not None else (_piece_origin(origin, value),) * len(per_piece)
+        if any(part is None for part in parts):
+            return None
+        for found, part in zip(per_piece, parts, strict=True):
+            if isinstance(part, _Origin):
+                found.append(part)
+    return _Pieces(axis, bounds, tuple(_earliest(f) if f else _FINITE for f in per_piece))
 
 
 def origin_of_slice(
@@ -190,6 +263,14 @@ def _concatenated(
     if len({id(p) for p in parts if isinstance(p, _Origin)}) < 2:
         return None  # one origin: the array's is exact
     return _Pieces(axis, tuple(bounds), tuple(parts))
+
+
+def _stacked(eqn: JaxprEqn, invals: list[Any], origins: list[Any]) -> _Pieces | None:
+    """A `stack` (JAX 0.12's primitive): one range of the new axis per input."""
+    parts = [_piece_origin(origin, value) for value, origin in zip(invals, origins, strict=True)]
+    if any(part is None for part in parts) or len({id(p) for p in parts}) < 2:
+        return None
+    return _Pieces(eqn.params["axis"], tuple(range(len(parts) + 1)), tuple(parts))
 
 
 def _padded(eqn: JaxprEqn, invals: list[Any], origins: list[Any]) -> _Pieces | None:
