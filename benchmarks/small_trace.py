@@ -9,6 +9,8 @@ in benchmarks 2 and 6; JAX's caches never hit for them):
 - a `scan`, a `while_loop`, a `cond` or a `jax.jit` around one sow
   (`mode="clobber"`; the while's has an `init`, for a loop that runs zero times,
   and the cond sows in both branches);
+- the same nested 2, 3 and 4 deep (a scan in a scan in a scan around the sow;
+  each cond level doubles the program, as in plain JAX);
 - 20 straight-line `lax` ops, then one sow.
 
 `reap` traces `f`, then walks its jaxpr once, tracing again the bodies that
@@ -35,23 +37,35 @@ from ._timing import paired, trace_clock
 BOUND = 1.8  # make_jaxpr(reap(f)) / make_jaxpr(f)
 TAG = "small"
 KINDS = ("scan", "while", "cond", "jit", "20 lax ops")
+NESTED = ("scan", "while", "cond", "jit")
+DEPTHS = (2, 3, 4)
 
 
-def _build(kind: str) -> Callable[[Any], Any]:
-    """A fresh `f` of the given kind, sowing under `TAG`."""
+def _build(kind: str, depth: int = 1) -> Callable[[Any], Any]:
+    """A fresh `f` of the given kind, `depth` levels of it around one sow under
+    `TAG`."""
 
     def step(c: Any) -> Any:
         return sow(jnp.sin(c), tag=TAG, name="v", mode="clobber", init=0.0)
 
-    def f(x: Any) -> Any:
+    def level(c: Any, d: int) -> Any:
+        if d == 0:
+            return step(c)
+
+        def inner(c: Any) -> Any:
+            return level(c, d - 1)
+
         if kind == "scan":
-            return lax.scan(lambda c, _: (step(c), None), x, None, length=3)[0]
+            return lax.scan(lambda c, _: (inner(c), None), c, None, length=3)[0]
         if kind == "while":
-            return lax.while_loop(lambda c: c[1] < 3, lambda c: (step(c[0]), c[1] + 1), (x, 0))[0]
+            return lax.while_loop(lambda s: s[1] < 3, lambda s: (inner(s[0]), s[1] + 1), (c, 0))[0]
         if kind == "cond":
-            return lax.cond(x.sum() > 0, step, lambda c: step(c * 2.0), x)
-        if kind == "jit":
-            return jax.jit(step)(x)
+            return lax.cond(c.sum() > 0, inner, lambda c: inner(c * 2.0), c)
+        return jax.jit(inner)(c)
+
+    def f(x: Any) -> Any:
+        if kind in NESTED:
+            return level(x, depth)
         y = x
         for i in range(20):
             y = lax.sin(y) if i % 2 else lax.mul(y, y)
@@ -60,9 +74,9 @@ def _build(kind: str) -> Callable[[Any], Any]:
     return f
 
 
-def _check(kind: str, x: Any) -> None:
-    out, reaped = reap(_build(kind), tag=TAG)(x)
-    plain = _build(kind)(x)
+def _check(kind: str, depth: int, x: Any) -> None:
+    out, reaped = reap(_build(kind, depth), tag=TAG)(x)
+    plain = _build(kind, depth)(x)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(plain))
     if "v" not in reaped:
         raise AssertionError(f"{kind}: reap returned {sorted(reaped)}, expected ['v']")
@@ -73,34 +87,43 @@ def run(quick: bool = False) -> Section:
     repeats = 5 if quick else 41
     x = jnp.ones(4)
     rows, ms_rows, targets = [], [], []
-    for kind in KINDS:
-        _check(kind, x)
+    depth_rows: dict[str, list[Any]] = {kind: [kind] for kind in NESTED}
+    programs = [(kind, 1) for kind in KINDS] + [(k, d) for k in NESTED for d in DEPTHS]
+    for kind, depth in programs:
+        _check(kind, depth, x)
         timings = paired(
             {
-                "trace f": lambda kind=kind: jax.make_jaxpr(_build(kind))(x),
-                "reap": lambda kind=kind: jax.make_jaxpr(reap(_build(kind), tag=TAG))(x),
+                "trace f": lambda k=kind, d=depth: jax.make_jaxpr(_build(k, d))(x),
+                "reap": lambda k=kind, d=depth: jax.make_jaxpr(reap(_build(k, d), tag=TAG))(x),
             },
             repeats,
             warmup=3,
             clock=trace_clock,
         )
         value = timings.ratio("reap", "trace f")
-        rows.append([kind, value, repeats])
-        ms_rows.append([kind, 1e3 * timings.median("trace f"), 1e3 * timings.median("reap")])
-        targets.append(
-            Target(f"{kind} around one sow: reap / trace f", value, f"<= {BOUND}", value <= BOUND)
-        )
+        what = f"{kind} around one sow" if depth == 1 else f"{kind} {depth} deep around one sow"
+        if kind in NESTED:
+            depth_rows[kind].append(value)
+        if depth == 1:
+            rows.append([kind, value, repeats])
+        ms_rows.append([what, 1e3 * timings.median("trace f"), 1e3 * timings.median("reap")])
+        targets.append(Target(f"{what}: reap / trace f", value, f"<= {BOUND}", value <= BOUND))
     tables = [
         Table(
             "make_jaxpr(reap(f)) / make_jaxpr(f) (median of per-repeat ratios, thread CPU time)",
             ["program", "reap / trace f", "repeats"],
             rows,
         ),
+        Table(
+            "make_jaxpr(reap(f)) / make_jaxpr(f) by nesting depth",
+            ["program", *(f"depth {d}" for d in (1, *DEPTHS))],
+            list(depth_rows.values()),
+        ),
         Table("Trace time (median ms of thread CPU time)", ["program", "trace f", "reap"], ms_rows),
     ]
     return Section(
         name="small_trace",
-        title="Fixed overhead of an effect on small programs",
+        title="Small programs: the fixed overhead of an effect, by nesting depth",
         method=__doc__ or "",
         tables=tables,
         targets=targets,
