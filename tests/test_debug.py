@@ -867,6 +867,15 @@ _PIECE_MOVES = {
     "reduce_max (another axis)": lambda x: _half_rows(x).max(axis=0)[2:],
     "sort (another axis)": lambda x: jnp.sort(_half_rows(x), axis=0)[:, 2:],
     "cummax (another axis)": lambda x: lax.cummax(_half_rows(x), axis=0)[:, 2:],
+    "gather (x[indices])": lambda x: _halves(x)[jnp.array([2, 3])],
+    "gather in fill mode (jnp.take)": lambda x: jnp.take(
+        _halves(x), jnp.array([3, 2]), mode="fill"
+    ),
+    "gather of rows": lambda x: _half_rows(x).T[jnp.array([3, 2])],
+    "dynamic_slice at a traced index": lambda x: lax.dynamic_slice(
+        _halves(x), (jnp.argmax(x) + 2,), (2,)
+    ),
+    "index at a traced position": lambda x: _halves(x)[jnp.argmax(x) + 3],
     "convert to a wider float": lambda x: _halves(x.astype(jnp.bfloat16)).astype(jnp.float32)[2:],
 }
 
@@ -876,7 +885,7 @@ _PIECE_MOVES = {
 def test_a_slice_takes_the_origins_of_the_parts_it_keeps(move, jit):
     fn = _PIECE_MOVES[move]
     fn = jax.jit(fn) if jit else fn
-    rows = move == "transpose" or "another axis" in move
+    rows = move == "transpose" or "another axis" in move or "rows" in move
     marker = "pad-nan" if move == "pad" else "rows-nan" if rows else "halves-nan"
     out = fn(jnp.ones(2))
     assert np.isnan(np.asarray(out)).all()
@@ -915,13 +924,22 @@ def test_an_equation_that_can_make_an_inf_ends_the_parts(jit):
     expect(report_of(fn, jnp.ones(2)), "sqrt", "parts-nan")
 
 
-def test_a_gather_follows_the_array():
-    # Documented: a gather (indices given at run time) passes the array's origin,
-    # the earliest of its parts.
-    def f(x):
-        return _halves(x)[jnp.array([2, 3])]
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_gather_at_run_time_indices_takes_the_parts_it_picks(jit):
+    # The indices are data: the gather picks the NaN half for one input and the
+    # Inf half for another.
+    def f(x, i):
+        return _halves(x)[jnp.stack([i, i + 1])]
 
-    expect(report_of(f, jnp.ones(2)), "div", "halves-nan", kind="inf")
+    fn = jax.jit(f) if jit else f
+    expect(report_of(fn, jnp.ones(2), jnp.int32(2)), "sqrt", "halves-nan")
+    expect(report_of(fn, jnp.ones(2), jnp.int32(0)), "div", "halves-nan", kind="inf")
+
+    # Out of range in fill mode, the gather itself makes the NaN.
+    def g(x, i):
+        return jnp.take(_halves(x), jnp.stack([i, i]), mode="fill")  # fill-nan
+
+    expect(report_of(jax.jit(g) if jit else g, jnp.ones(2), jnp.int32(9)), "gather", "fill-nan")
 
 
 def test_inf_filled_buffer_overwritten_in_a_loop():

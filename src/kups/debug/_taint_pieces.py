@@ -22,7 +22,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.extend.core import JaxprEqn
 
-from ._taint_origin import _FINITE, _concrete_finite, _earliest, _Origin, _validated
+from ._taint_origin import _FINE, _FINITE, _concrete_finite, _earliest, _Origin, _validated
 
 
 class _Pieces(NamedTuple):
@@ -191,13 +191,77 @@ def origin_of_slice(
         return None
     window = _window(eqn, invals)
     if window is None:
-        return None
+        found = _positions(eqn, invals, own)
+        if found is None:
+            return None
+        return _masked_origin(own, outval, *found, kinds)
     start, stop, stride = window[own.axis]
     traced = []
     for lo, hi, origin in _kept(own, start, stop, stride):
         if isinstance(origin, _Origin):
             part = jax.lax.slice_in_dim(outval, lo, hi, axis=own.axis)
             traced.append(_validated(origin, part, kinds))
+    return _earliest(traced) if traced else _FINITE
+
+
+def _positions(eqn: JaxprEqn, invals: list[Any], own: _Pieces) -> tuple[int, Any] | None:
+    """For a `dynamic_slice` at indices computed at run time, or a `gather` that
+    picks single elements along the pieced axis by a vector of indices (`x[idx]`,
+    `jnp.take`): the output axis the pieced axis becomes, and the index along the
+    pieced axis (a traced vector) of each position of it. `None` for any other."""
+    name = eqn.primitive.name
+    shape = np.shape(invals[0])
+    size = shape[own.axis]
+    if name == "dynamic_slice":
+        indices = invals[1 : 1 + len(shape)]
+        if len(indices) != len(shape):
+            return None
+        length = eqn.params["slice_sizes"][own.axis]
+        # Out of range, dynamic_slice clamps the start.
+        start = jnp.clip(jnp.asarray(indices[own.axis], np.int32), 0, size - length)
+        return own.axis, start + jnp.arange(length, dtype=np.int32)
+    if name != "gather":
+        return None
+    numbers, indices = eqn.params["dimension_numbers"], invals[1]
+    if (
+        numbers.operand_batching_dims
+        or own.axis not in numbers.collapsed_slice_dims
+        or own.axis not in numbers.start_index_map
+        or np.ndim(indices) != 2
+    ):
+        return None
+    # One batch axis: the output axis that is not an offset axis.
+    out_axis = next(i for i in range(len(numbers.offset_dims) + 1) if i not in numbers.offset_dims)
+    column = numbers.start_index_map.index(own.axis)
+    index = jax.lax.index_in_dim(jnp.asarray(indices), column, axis=1, keepdims=False)
+    if str(eqn.params["mode"]).endswith("FILL_OR_DROP"):
+        # Out of range, the element is the fill value, not one of the operand's.
+        index = jnp.where((index < 0) | (index >= size), -1, index)
+    else:
+        index = jnp.clip(index, 0, size - 1)
+    return out_axis, index.astype(np.int32)
+
+
+def _masked_origin(
+    own: _Pieces, outval: Any, axis: int, positions: Any, kinds: tuple[str, ...]
+) -> Any:
+    """The earliest origin of the pieces whose elements, at `positions` along the
+    output's `axis` (indices into the pieced axis), are not finite."""
+    if tuple(kinds) == ("nan",):
+        bad = jnp.isnan(outval)
+    elif tuple(kinds) == ("inf",):
+        bad = jnp.isinf(outval)
+    else:
+        bad = jnp.logical_not(jnp.isfinite(outval))
+    shape = [1] * np.ndim(outval)
+    shape[axis] = -1
+    traced = []
+    for k, origin in enumerate(own.origins):
+        if not isinstance(origin, _Origin):
+            continue
+        inside = (positions >= own.bounds[k]) & (positions < own.bounds[k + 1])
+        hit = jnp.any(bad & inside.reshape(shape))
+        traced.append(_Origin(jax.lax.select_n(hit, _FINE, origin.w), origin.info, False))
     return _earliest(traced) if traced else _FINITE
 
 
