@@ -876,6 +876,9 @@ _PIECE_MOVES = {
         _halves(x), (jnp.argmax(x) + 2,), (2,)
     ),
     "index at a traced position": lambda x: _halves(x)[jnp.argmax(x) + 3],
+    "arithmetic": lambda x: (_halves(x) * 2.0 + 1.0)[2:],
+    "arithmetic of two arrays of parts": lambda x: (_halves(x) - jnp.exp(_halves(x)))[2:],
+    "exp": lambda x: jnp.exp(_halves(x))[2:],
     "convert to a wider float": lambda x: _halves(x.astype(jnp.bfloat16)).astype(jnp.float32)[2:],
 }
 
@@ -910,18 +913,30 @@ def test_a_slice_that_keeps_both_parts_takes_the_earliest(jit):
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_an_equation_that_can_make_an_inf_ends_the_parts(jit):
-    # Converting to float16 overflows the finite part. The convert can make an
-    # Inf, so its output has no parts: the slice keeping the Inf follows the
-    # array (whose earliest event is the sqrt), and the Inf is not lost as
-    # it would be were the finite part's origin kept.
+def test_arithmetic_on_parts_names_the_inf_it_makes_in_the_part_kept(jit):
+    # The multiplication overflows the finite part: the slice keeping it names
+    # the multiplication, not the NaN of the part it dropped.
     def f(x):
-        parts = jnp.concatenate([x * 1e6, jnp.sqrt(x - 5.0)])  # parts-nan
-        return parts.astype(jnp.float16)[:2]
+        parts = jnp.concatenate([x * 1e30, jnp.sqrt(x - 5.0)])
+        return (parts * 1e30)[:2]  # overflow-here
 
     fn = jax.jit(f) if jit else f
     assert np.isinf(np.asarray(fn(jnp.ones(2)))).all()
-    expect(report_of(fn, jnp.ones(2)), "sqrt", "parts-nan")
+    expect(report_of(fn, jnp.ones(2)), "mul", "overflow-here", kind="inf")
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_narrowing_convert_of_parts_names_the_inf_it_makes(jit):
+    # Converting to float16 overflows the finite part: the slice keeping it
+    # names the convert (before, the parts passed through the cast as they
+    # were, and the report said nothing reached).
+    def f(x):
+        parts = jnp.concatenate([x * 1e6, jnp.sqrt(x - 5.0)])
+        return parts.astype(jnp.float16)[:2]  # narrowing-convert
+
+    fn = jax.jit(f) if jit else f
+    assert np.isinf(np.asarray(fn(jnp.ones(2)))).all()
+    expect(report_of(fn, jnp.ones(2)), "convert_element_type", "narrowing-convert", kind="inf")
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

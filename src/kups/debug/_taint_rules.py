@@ -40,7 +40,7 @@ from ._taint_origin import (
     _shape,
     _Taint,
 )
-from ._taint_pieces import origin_of_slice, pieces_made
+from ._taint_pieces import _Pieces, origin_of_slice, pieces_made
 
 # Whether an output is finite exactly when its inputs are (real dtypes only):
 # the origin passes on unchecked.
@@ -255,10 +255,14 @@ def _taint_equation(
         if sliced is not None:
             origins = [sliced, *origins[1:]]
     pending = interpreter.pending[-1]
-    created, out_origins = _propagate(sites, state, eqn, invals, origins, outvals, pending)
-    interpreter.pending[-1] = pending + created
+    site, out_origins = _propagate(sites, state, eqn, invals, origins, outvals, pending)
+    interpreter.pending[-1] = pending + (site is not None)
     interpreter.set_origins(eqn.outvars, out_origins)
     made = pieces_made(eqn, invals, origins, pieces)
+    if made is None and eqn.primitive.name in _ELEMENTWISE and any(pieces):
+        made = _elementwise_pieces(
+            sites, state, eqn, invals, origins, pieces, outvals, pending, site
+        )
     if made is not None:
         interpreter.set_pieces(eqn.outvars[0], made)
     return HandlerResult(state, outvals)
@@ -272,9 +276,9 @@ def _propagate(
     origins: list[Any],
     outvals: list[Any],
     pending: int,
-) -> tuple[bool, list[Any]]:
-    """Whether `eqn` can make a NaN/Inf, and the origins of its outputs; its
-    events are stamped `tick + pending`."""
+) -> tuple[int | None, list[Any]]:
+    """The site of `eqn` if it can make a NaN/Inf (else `None`), and the origins
+    of its outputs; its events are stamped `tick + pending`."""
     name = eqn.primitive.name
     now = None
     floats_in = [i for i, value in enumerate(invals) if _is_float(value)]
@@ -335,7 +339,134 @@ def _propagate(
         # and again down the program (the compiled step ran 1.5 times slower).
         w, info = jax.lax.optimization_barrier((w, info))
         out_origins.append(_Origin(w, info, False))
-    return site is not None, out_origins
+    return site, out_origins
+
+
+# Elementwise equations: each output element is computed from the elements at
+# its position (a scalar operand stands for every position).
+_ELEMENTWISE = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "rem",
+        "pow",
+        "max",
+        "min",
+        "atan2",
+        "nextafter",
+        "exp",
+        "exp2",
+        "expm1",
+        "log",
+        "log1p",
+        "sqrt",
+        "rsqrt",
+        "cbrt",
+        "square",
+        "integer_pow",
+        "logistic",
+        "tanh",
+        "tan",
+        "sin",
+        "cos",
+        "asin",
+        "acos",
+        "atan",
+        "sinh",
+        "cosh",
+        "asinh",
+        "acosh",
+        "atanh",
+        "erf",
+        "erfc",
+        "erf_inv",
+        "lgamma",
+        "digamma",
+        "sign",
+        "clamp",
+        "convert_element_type",
+        "reduce_precision",
+    }
+)
+
+
+def _elementwise_pieces(
+    sites: _Sites,
+    state: _Taint,
+    eqn: JaxprEqn,
+    invals: list[Any],
+    origins: list[Any],
+    pieces: list[Any],
+    outvals: list[Any],
+    pending: int,
+    site: int | None,
+) -> _Pieces | None:
+    """The pieces of an elementwise equation's output whose operands have pieces
+    along one axis and range (or one origin each): each range gets the origin
+    `_propagate` would give an output of just that range, with the equation's
+    own event (`site`, stamped `tick + pending`) where it makes a NaN/Inf there."""
+    (outval,) = outvals
+    if not _is_float(outval):
+        return None
+    shape = np.shape(outval)
+    layouts = {(p.axis, p.bounds) for p in pieces if p is not None}
+    if len(layouts) != 1:
+        return None
+    axis, bounds = layouts.pop()
+    per_operand = []
+    for value, origin, own in zip(invals, origins, pieces, strict=True):
+        if own is not None:
+            per_operand.append(list(own.origins))
+            continue
+        if not _is_float(value):
+            continue
+        if np.shape(value) not in ((), shape):
+            return None
+        part = _whole_origin(origin, value, sites.kinds)
+        if part is None:
+            return None
+        per_operand.append([part] * (len(bounds) - 1))
+    kind = _class_of(eqn, invals, outval, sites.kinds)
+    parts = []
+    for k in range(len(bounds) - 1):
+        traced = [o[k] for o in per_operand if isinstance(o[k], _Origin)]
+        if kind != "create":
+            if not traced:
+                parts.append(_FINITE)
+                continue
+            inherited = _earliest(traced)
+            if kind == "filter":
+                piece = jax.lax.slice_in_dim(outval, bounds[k], bounds[k + 1], axis=axis)
+                w = jax.lax.select_n(_finite(piece, sites.kinds), inherited.w, _FINE)
+                inherited = _Origin(w, inherited.info, False)
+            parts.append(inherited)
+            continue
+        if site is None:
+            return None
+        piece = jax.lax.slice_in_dim(outval, bounds[k], bounds[k + 1], axis=axis)
+        fine, has_nan = _finite_and_nan(piece, sites.kinds)
+        info = _new_info(site, state.pos, has_nan)
+        now = _plus(state.tick, pending)
+        if not traced:
+            w = jax.lax.select_n(fine, jnp.asarray(now, jnp.int32), _FINE)
+        else:
+            inherited = _earliest(traced)
+            w = jax.lax.select_n(fine, jax.lax.min(inherited.w, now), _FINE)
+            info = jax.lax.select_n(jax.lax.lt(inherited.w, now), info, inherited.info)
+        parts.append(_Origin(w, info, False))
+    return _Pieces(axis, bounds, tuple(parts))
+
+
+def _whole_origin(origin: Any, value: Any, kinds: tuple[str, ...]) -> Any:
+    """The origin of an operand without pieces, as the origin of each of them:
+    `None` when it may hold a NaN/Inf of no site (an argument)."""
+    if isinstance(origin, _Origin):
+        return None if origin.external else origin
+    if origin is _FINITE or (origin is None and _concrete_finite(value, kinds)):
+        return _FINITE
+    return None
 
 
 # `tick` stops growing here (ordering events made after 2**30 others, per shard,
