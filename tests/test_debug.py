@@ -913,6 +913,29 @@ def test_a_slice_that_keeps_both_parts_takes_the_earliest(jit):
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_slice_of_an_update_takes_the_part_it_keeps(jit):
+    # An Inf buffer with a NaN written into its second half: the slice of the
+    # second half names the update, the slice of the first half the buffer.
+    def buffer(x):
+        buf = 1.0 / (jnp.concatenate([x, x]) * 0.0)  # buffer-inf
+        return lax.dynamic_update_slice(buf, jnp.sqrt(x - 5.0), (2,))  # update-nan
+
+    def second(x):
+        return buffer(x)[2:]
+
+    def first(x):
+        return buffer(x)[:2]
+
+    def around(x):
+        return jnp.flip(buffer(x))[1:3]  # one of each: the buffer's is older
+
+    wrap = jax.jit if jit else (lambda f: f)
+    expect(report_of(wrap(second), jnp.ones(2)), "sqrt", "update-nan")
+    expect(report_of(wrap(first), jnp.ones(2)), "div", "buffer-inf", kind="inf")
+    expect(report_of(wrap(around), jnp.ones(2)), "div", "buffer-inf", kind="inf")
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_arithmetic_on_parts_names_the_inf_it_makes_in_the_part_kept(jit):
     # The multiplication overflows the finite part: the slice keeping it names
     # the multiplication, not the NaN of the part it dropped.

@@ -81,6 +81,8 @@ def pieces_made(
         return _selected(invals, origins, pieces)
     if name == "stack":
         return _stacked(eqn, invals, origins)
+    if name == "dynamic_update_slice":
+        return _updated(invals, origins, pieces)
     if not pieces or pieces[0] is None:
         return None
     own = pieces[0]
@@ -335,6 +337,48 @@ def _stacked(eqn: JaxprEqn, invals: list[Any], origins: list[Any]) -> _Pieces | 
     if any(part is None for part in parts) or len({id(p) for p in parts}) < 2:
         return None
     return _Pieces(eqn.params["axis"], tuple(range(len(parts) + 1)), tuple(parts))
+
+
+def _updated(invals: list[Any], origins: list[Any], pieces: list[_Pieces | None]) -> _Pieces | None:
+    """A `dynamic_update_slice` along one axis, at a start known while tracing:
+    the operand's ranges before and after the update, the update's in between."""
+    operand, update, *indices = invals
+    shape, size = np.shape(operand), np.shape(update)
+    axes = [d for d, (n, u) in enumerate(zip(shape, size, strict=True)) if n != u]
+    if len(axes) != 1 or isinstance(indices[axes[0]], Tracer):
+        return None
+    axis = axes[0]
+    # Out of range, dynamic_update_slice clamps the start.
+    start = min(max(int(indices[axis]), 0), shape[axis] - size[axis])
+    stop = start + size[axis]
+    ranges = []
+    for value, origin, own, offset in (
+        (operand, origins[0], pieces[0], 0),
+        (update, origins[1], pieces[1], start),
+    ):
+        if own is not None and own.axis == axis:
+            parts = [(offset + lo, offset + hi, o) for lo, hi, o in _ranges(own)]
+        else:
+            whole = _piece_origin(origin, value) if own is None else None
+            if whole is None:
+                return None
+            parts = [(offset, offset + np.shape(value)[axis], whole)]
+        ranges.append(parts)
+    kept_operand = [
+        (max(lo, a), min(hi, b), o)
+        for lo, hi, o in ranges[0]
+        for a, b in ((0, start), (stop, shape[axis]))
+        if max(lo, a) < min(hi, b)
+    ]
+    merged = sorted([*kept_operand, *ranges[1]], key=lambda r: r[0])
+    if len({id(o) for _, _, o in merged if isinstance(o, _Origin)}) < 2:
+        return None
+    bounds = (*(lo for lo, _, _ in merged), merged[-1][1])
+    return _Pieces(axis, bounds, tuple(o for _, _, o in merged))
+
+
+def _ranges(own: _Pieces) -> list[tuple[int, int, Any]]:
+    return [(own.bounds[k], own.bounds[k + 1], o) for k, o in enumerate(own.origins)]
 
 
 def _padded(eqn: JaxprEqn, invals: list[Any], origins: list[Any]) -> _Pieces | None:
