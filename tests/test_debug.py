@@ -935,6 +935,24 @@ def test_a_slice_of_an_update_takes_the_part_it_keeps(jit):
     expect(report_of(wrap(around), jnp.ones(2)), "div", "buffer-inf", kind="inf")
 
 
+@pytest.mark.parametrize("parts", [3, 8, 9, 40])
+def test_arithmetic_keeps_at_most_eight_parts(parts):
+    # An array of many parts (a pytree flattened by ravel_pytree) would cost a
+    # check per part at every elementwise equation: past eight, it follows the
+    # array's origin.
+    def f(x):
+        first = 1.0 / (x * 0.0)  # many-inf
+        rest = [jnp.sin(x) * i for i in range(parts - 2)]
+        nan = jnp.sqrt(x - 5.0)  # many-nan
+        return (jnp.concatenate([first, *rest, nan]) * 2.0)[-2:]
+
+    found = report_of(jax.jit(f), jnp.ones(2))
+    if parts <= 8:
+        expect(found, "sqrt", "many-nan")
+    else:
+        expect(found, "div", "many-inf", kind="inf")
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_arithmetic_on_parts_names_the_inf_it_makes_in_the_part_kept(jit):
     # The multiplication overflows the finite part: the slice keeping it names

@@ -51,6 +51,12 @@ _IN_PLACE = frozenset(
     }
 )
 
+# Equations that check or merge every piece (elementwise ones, `select_n`, a
+# gather or a slice at run-time indices) keep at most this many: an array
+# flattened from a pytree of many leaves (`ravel_pytree`) would otherwise cost a
+# check per leaf at each of them. Past it, the array's origin is used.
+MAX_CHECKED_PIECES = 8
+
 # Equations of one input that keep each position along the axes they do not
 # name (`axes` or `dimension` params) and make no NaN/Inf.
 _ALONG_OTHER_AXES = frozenset({"reduce_max", "reduce_min", "cummax", "cummin", "sort"})
@@ -172,6 +178,8 @@ def _selected(
     if len(layouts) != 1:
         return None
     axis, bounds = layouts.pop()
+    if len(bounds) - 1 > MAX_CHECKED_PIECES:
+        return None
     per_piece: list[list[Any]] = [[] for _ in bounds[1:]]
     for value, origin, own in cases:
         parts = own.origins if own is not None else (_piece_origin(origin, value),) * len(per_piece)
@@ -194,7 +202,7 @@ def origin_of_slice(
     window = _window(eqn, invals)
     if window is None:
         found = _positions(eqn, invals, own)
-        if found is None:
+        if found is None or len(own.origins) > MAX_CHECKED_PIECES:
             return None
         return _masked_origin(own, outval, *found, kinds)
     start, stop, stride = window[own.axis]

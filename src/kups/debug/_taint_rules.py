@@ -40,7 +40,7 @@ from ._taint_origin import (
     _shape,
     _Taint,
 )
-from ._taint_pieces import _Pieces, origin_of_slice, pieces_made
+from ._taint_pieces import MAX_CHECKED_PIECES, _Pieces, origin_of_slice, pieces_made
 
 # Whether an output is finite exactly when its inputs are (real dtypes only):
 # the origin passes on unchecked.
@@ -415,6 +415,8 @@ def _elementwise_pieces(
     if len(layouts) != 1:
         return None
     axis, bounds = layouts.pop()
+    if len(bounds) - 1 > MAX_CHECKED_PIECES:
+        return None
     per_operand = []
     for value, origin, own in zip(invals, origins, pieces, strict=True):
         if own is not None:
