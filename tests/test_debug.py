@@ -864,6 +864,10 @@ _PIECE_MOVES = {
     "reshape (split)": lambda x: _halves(x).reshape(2, 2)[1],
     "reshape (merge)": lambda x: jnp.stack([_halves(x)[:2], _halves(x)[2:]]).reshape(4)[2:],
     "select_n (where)": lambda x: jnp.where(jnp.arange(4) < 9, _halves(x), jnp.sin(x[0]))[2:],
+    "where with a constant": lambda x: jnp.where(jnp.arange(4) < 9, _halves(x), 0.0)[2:],
+    "where with an argument": lambda x: jnp.where(
+        jnp.arange(4) < 9, _halves(x), jnp.concatenate([x, x])
+    )[2:],
     "reduce_max (another axis)": lambda x: _half_rows(x).max(axis=0)[2:],
     "sort (another axis)": lambda x: jnp.sort(_half_rows(x), axis=0)[:, 2:],
     "cummax (another axis)": lambda x: lax.cummax(_half_rows(x), axis=0)[:, 2:],
@@ -933,6 +937,30 @@ def test_a_slice_of_an_update_takes_the_part_it_keeps(jit):
     expect(report_of(wrap(second), jnp.ones(2)), "sqrt", "update-nan")
     expect(report_of(wrap(first), jnp.ones(2)), "div", "buffer-inf", kind="inf")
     expect(report_of(wrap(around), jnp.ones(2)), "div", "buffer-inf", kind="inf")
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_where_that_drops_the_parts_and_takes_a_constant_nan(jit):
+    # The where takes the constant NaN where the NaN half was: the slice names
+    # the where (the constant meets the data there), not the dropped sqrt.
+    def f(x):
+        return jnp.where(jnp.arange(4) < 2, _halves(x), jnp.nan)[2:]  # where-nan
+
+    fn = jax.jit(f) if jit else f
+    expect(report_of(fn, jnp.ones(2)), "select_n", "where-nan")
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_where_names_the_side_it_takes_in_the_part_kept(jit):
+    # Both sides are NaN in the second half; the where takes the other side
+    # there, so the slice names that side's sqrt, not the older one it dropped.
+    def f(x):
+        both = _halves(x)
+        other = jnp.broadcast_to(jnp.sqrt(x[0] - 9.0), (4,))  # other-nan
+        return jnp.where(jnp.arange(4) < 2, both, other)[2:]
+
+    fn = jax.jit(f) if jit else f
+    expect(report_of(fn, jnp.ones(2)), "sqrt", "other-nan")
 
 
 @pytest.mark.parametrize("parts", [3, 8, 9, 40])

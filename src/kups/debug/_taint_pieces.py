@@ -83,8 +83,6 @@ def pieces_made(
         return _concatenated(eqn, invals, origins, pieces)
     if name == "pad":
         return _padded(eqn, invals, origins)
-    if name == "select_n":
-        return _selected(invals, origins, pieces)
     if name == "stack":
         return _stacked(eqn, invals, origins)
     if name == "dynamic_update_slice":
@@ -166,29 +164,6 @@ def _reshaped(own: _Pieces, shape: tuple[int, ...], new: tuple[int, ...]) -> _Pi
     if len(set(bounds)) != len(bounds):
         return None
     return _Pieces(axis, bounds, own.origins)
-
-
-def _selected(
-    invals: list[Any], origins: list[Any], pieces: list[_Pieces | None]
-) -> _Pieces | None:
-    """A `select_n` of cases with pieces along one axis and range (or with one
-    origin): each range takes the earliest origin of the cases there."""
-    cases = list(zip(invals[1:], origins[1:], pieces[1:], strict=True))
-    layouts = {(p.axis, p.bounds) for _, _, p in cases if p is not None}
-    if len(layouts) != 1:
-        return None
-    axis, bounds = layouts.pop()
-    if len(bounds) - 1 > MAX_CHECKED_PIECES:
-        return None
-    per_piece: list[list[Any]] = [[] for _ in bounds[1:]]
-    for value, origin, own in cases:
-        parts = own.origins if own is not None else (_piece_origin(origin, value),) * len(per_piece)
-        if any(part is None for part in parts):
-            return None
-        for found, part in zip(per_piece, parts, strict=True):
-            if isinstance(part, _Origin):
-                found.append(part)
-    return _Pieces(axis, bounds, tuple(_earliest(f) if f else _FINITE for f in per_piece))
 
 
 def origin_of_slice(

@@ -168,6 +168,23 @@ def _selected(invals: list[Any], origins: list[Any], kinds: tuple[str, ...]) -> 
     return kept
 
 
+def _taken_pieces(
+    invals: list[Any], i: int, origins: list[Any], axis: int, bounds: tuple[int, ...], kinds: Any
+) -> list[Any]:
+    """The piece origins of a `select_n`'s case `i`, each kept only if what the
+    predicate takes of the case in that piece is not finite."""
+    cases = [value if j == i else jnp.zeros_like(value) for j, value in enumerate(invals)]
+    taken = jax.lax.select_n(invals[0], *cases[1:])
+    kept = []
+    for k, origin in enumerate(origins):
+        if isinstance(origin, _Origin):
+            part = jax.lax.slice_in_dim(taken, bounds[k], bounds[k + 1], axis=axis)
+            w = jax.lax.select_n(_finite(part, kinds), origin.w, _FINE)
+            origin = _Origin(w, origin.info, origin.external)
+        kept.append(origin)
+    return kept
+
+
 def _code_vectors(site: int, pos: Any) -> tuple[Any, Any]:
     """`info` of a new event of `site` without and with a NaN, before `pos`."""
     length = pos.shape[0]
@@ -388,6 +405,7 @@ _ELEMENTWISE = frozenset(
         "clamp",
         "convert_element_type",
         "reduce_precision",
+        "select_n",
     }
 )
 
@@ -418,19 +436,26 @@ def _elementwise_pieces(
     if len(bounds) - 1 > MAX_CHECKED_PIECES:
         return None
     per_operand = []
-    for value, origin, own in zip(invals, origins, pieces, strict=True):
+    # An operand that may hold a NaN/Inf of no site (an argument, a constant):
+    # like `_propagate`, the equation is then where such a NaN/Inf is first seen.
+    unknown = False
+    for i, (value, origin, own) in enumerate(zip(invals, origins, pieces, strict=True)):
         if own is not None:
-            per_operand.append(list(own.origins))
+            operand = list(own.origins)
+        elif not _is_float(value):
             continue
-        if not _is_float(value):
+        elif np.shape(value) not in ((), shape):
+            return None
+        elif isinstance(origin, _Origin):
+            unknown = unknown or origin.external
+            operand = [origin] * (len(bounds) - 1)
+        else:
+            unknown = unknown or not (origin is _FINITE or _concrete_finite(value, sites.kinds))
             continue
-        if np.shape(value) not in ((), shape):
-            return None
-        part = _whole_origin(origin, value, sites.kinds)
-        if part is None:
-            return None
-        per_operand.append([part] * (len(bounds) - 1))
-    kind = _class_of(eqn, invals, outval, sites.kinds)
+        if eqn.primitive.name == "select_n":
+            operand = _taken_pieces(invals, i, operand, axis, bounds, sites.kinds)
+        per_operand.append(operand)
+    kind = "create" if unknown else _class_of(eqn, invals, outval, sites.kinds)
     parts = []
     for k in range(len(bounds) - 1):
         traced = [o[k] for o in per_operand if isinstance(o[k], _Origin)]
@@ -459,16 +484,6 @@ def _elementwise_pieces(
             info = jax.lax.select_n(jax.lax.lt(inherited.w, now), info, inherited.info)
         parts.append(_Origin(w, info, False))
     return _Pieces(axis, bounds, tuple(parts))
-
-
-def _whole_origin(origin: Any, value: Any, kinds: tuple[str, ...]) -> Any:
-    """The origin of an operand without pieces, as the origin of each of them:
-    `None` when it may hold a NaN/Inf of no site (an argument)."""
-    if isinstance(origin, _Origin):
-        return None if origin.external else origin
-    if origin is _FINITE or (origin is None and _concrete_finite(value, kinds)):
-        return _FINITE
-    return None
 
 
 # `tick` stops growing here (ordering events made after 2**30 others, per shard,
