@@ -1,15 +1,18 @@
 """`report="reaching"`: the parts of an array that came from different inputs.
 
 An array's origin is one event, the earliest among what it holds. A
-`concatenate` (or a `pad` along one axis) puts inputs of different origins side
-by side along an axis: the output remembers which range of that axis came from
-which input (`_Pieces`), through the equations that move elements without mixing
-them (unary elementwise equations, `rev`, `transpose`, `squeeze`,
-`broadcast_in_dim`, and slices themselves). A slice of it (`slice`, or
-`dynamic_slice` at indices known while tracing) then takes the origins of only
-the pieces it keeps, each kept only if the part of the output it fills is not
-finite. The bounds are static: this costs one finiteness check per piece a
-slice keeps, and nothing elsewhere.
+`concatenate`, a `stack`, a `pad` along one axis or a `dynamic_update_slice` at
+a start known while tracing puts inputs of different origins side by side along
+an axis: the output remembers which range of that axis came from which input
+(`_Pieces`). The ranges follow the equations that move elements without mixing
+them (`rev`, `transpose`, `squeeze`, `broadcast_in_dim`, reshapes that keep the
+axis whole, reductions and sorts along other axes, slices themselves), here;
+elementwise equations check each range on its own (`_taint_rules`). A slice of
+it (`slice`, `dynamic_slice`) or a gather of single elements along the axis
+then takes the origins of only the pieces it keeps, each kept only if the part
+of the output it fills is not finite. The bounds are static: this costs one
+finiteness check per piece kept (a masked one at run-time indices), and nothing
+where no array has pieces.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def pieces_made(
     own = pieces[0]
     if len(eqn.invars) == 1 and (name in _IN_PLACE or _widening(eqn, invals[0])):
         return own
-    if name == "reshape":
+    if name == "reshape" and eqn.params.get("dimensions") is None:
         return _reshaped(own, np.shape(invals[0]), tuple(eqn.params["new_sizes"]))
     if name in _ALONG_OTHER_AXES and len(eqn.invars) == 1:
         named = eqn.params.get("axes", (eqn.params.get("dimension", eqn.params.get("axis")),))
