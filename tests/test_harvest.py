@@ -1666,10 +1666,9 @@ def test_reap_while_init_inside_scan_and_inside_a_nested_while():
         assert_tree_close(sown["last"]["value"], jnp.float32(value))
 
 
-def test_reap_while_traces_its_body_once(monkeypatch):
-    # A name first sown directly in the body, with an init, starts the carry at
-    # its init: the body is not traced a first time to find its shape, and the
-    # condition, where nothing is sown, is not traced again at all.
+@pytest.fixture
+def traced_bodies(monkeypatch):
+    """The names of the bodies the interpreters trace, in order."""
     import kups.effects._body as body_module
 
     traced = []
@@ -1680,7 +1679,13 @@ def test_reap_while_traces_its_body_once(monkeypatch):
         return trace_body(*args, **kwargs)
 
     monkeypatch.setattr(body_module, "trace_body", counting)
+    return traced
 
+
+def test_reap_while_traces_its_body_once(traced_bodies):
+    # A name first sown directly in the body, with an init, starts the carry at
+    # its init: the body is not traced a first time to find its shape, and the
+    # condition, where nothing is sown, is not traced again at all.
     def f(x, trips):
         def body(state):
             i, v = state
@@ -1693,7 +1698,7 @@ def test_reap_while_traces_its_body_once(monkeypatch):
         out, sown = reaped(jnp.float32(0.5), trips)
         assert_tree_close(sown["v"], jnp.float32(value))
         assert_tree_close(out, jax.jit(f)(jnp.float32(0.5), trips))
-    assert traced == ["while_loop body"]
+    assert traced_bodies == ["while_loop body"]
 
 
 def _nested_in_while(around):
@@ -1723,20 +1728,10 @@ def _nested_in_while(around):
 
 
 @pytest.mark.parametrize("around", ["while", "scan", "cond", "jit"])
-def test_reap_nested_while_traces_each_body_once(monkeypatch, around):
+def test_reap_nested_while_traces_each_body_once(traced_bodies, around):
     # A name sown with an init inside control flow nested in a loop's body also
     # starts the loop's carry at its init: each body is traced once, not once
     # per trace of the body around it.
-    import kups.effects._body as body_module
-
-    traced = []
-    trace_body = body_module.trace_body
-
-    def counting(*args, **kwargs):
-        traced.append(kwargs.get("name"))
-        return trace_body(*args, **kwargs)
-
-    monkeypatch.setattr(body_module, "trace_body", counting)
     jax.make_jaxpr(reap(_nested_in_while(around), tag="t"), static_argnums=1)(jnp.float32(0.5), 3)
     expected = {
         "while": ["while_loop body", "while_loop body"],
@@ -1744,7 +1739,7 @@ def test_reap_nested_while_traces_each_body_once(monkeypatch, around):
         "cond": ["while_loop body", "cond branch 0", "cond branch 1"],
         "jit": ["while_loop body", "jit leaf"],
     }
-    assert traced == expected[around]
+    assert traced_bodies == expected[around]
 
 
 @pytest.mark.parametrize("around", ["while", "scan", "cond", "jit"])
