@@ -217,10 +217,10 @@ class Reaper:
         conds that would give the name the same value had it none before: each
         enclosing loop has a sow of it with `init` (a zero-trip loop yields the
         init), and every branch of each enclosing cond sows it."""
-        around = {
-            **sows_around(eqn.params["cond_jaxpr"]),
-            **sows_around(eqn.params["body_jaxpr"]),
-        }
+        around: dict[int, list[tuple[JaxprEqn, ...]]] = {}
+        for jaxpr in (eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]):
+            for key, places in sows_around(jaxpr).items():
+                around.setdefault(key, []).extend(places)
         for path, init in inits.items():
             sows = [e for e in in_loop if path_of(e) == path]
             avals = {
@@ -229,7 +229,9 @@ class Reaper:
             if len(avals) == 1 and all(
                 e.params["mode"] == "clobber"
                 and not e.params["conditional"]
-                and all(self._keeps_value(path, outer) for outer in around[id(e)])
+                and all(
+                    self._keeps_value(path, outer) for place in around[id(e)] for outer in place
+                )
                 for e in sows
             ):
                 ctx = self._init_value(ctx, init)

@@ -151,15 +151,16 @@ def sows_in(jaxpr: Jaxpr | ClosedJaxpr) -> tuple[JaxprEqn, ...]:
     return found
 
 
-def sows_around(jaxpr: Jaxpr | ClosedJaxpr) -> dict[int, tuple[JaxprEqn, ...]]:
-    """The control-flow equations around each `sow` of `jaxpr` (keyed by the
-    sow equation's `id`), outermost first; a sow directly in `jaxpr` has none."""
+def sows_around(jaxpr: Jaxpr | ClosedJaxpr) -> dict[int, list[tuple[JaxprEqn, ...]]]:
+    """The control-flow equations around each `sow` of `jaxpr`, outermost first,
+    keyed by the sow equation's `id`: one entry per place the sow runs (a
+    sub-program can be shared); a sow directly in `jaxpr` has `()`."""
     open_jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
-    return {
-        id(eqn): around
-        for eqn, around in equations_in(open_jaxpr, enter=_entered)
-        if eqn.primitive is sow_p
-    }
+    found: dict[int, list[tuple[JaxprEqn, ...]]] = {}
+    for eqn, around in equations_in(open_jaxpr, enter=_entered):
+        if eqn.primitive is sow_p:
+            found.setdefault(id(eqn), []).append(around)
+    return found
 
 
 def _entered(eqn: JaxprEqn) -> bool:
