@@ -1784,6 +1784,24 @@ def test_reap_nested_while_keeps_the_error_of_a_name_one_branch_sows():
         reap(f, tag="t")(jnp.float32(0.5))
 
 
+def test_reap_nested_while_checks_every_place_a_shared_body_runs():
+    # One jitted function (one jaxpr) sows in a branch of a cond, where only one
+    # branch sows, and then directly: the carry does not start at the init,
+    # and the cond's error stays.
+    leaf = jax.jit(lambda v: sow(v + 1.0, tag="t", name="v", mode="clobber", init=0.0))
+
+    def f(x):
+        def body(state):
+            i, v = state
+            v = lax.cond(i > 1, leaf, lambda v: v, v)
+            return i + 1, leaf(v)
+
+        return lax.while_loop(lambda s: s[0] < 3, body, (0, x))[1]
+
+    with pytest.raises(ValueError, match="but not in branch 0"):
+        reap(f, tag="t")(jnp.float32(0.5))
+
+
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
 def test_reap_while_init_inside_shard_map(axis_type):
     mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(axis_type,) * 2)
