@@ -33,12 +33,12 @@ from ._taint_origin import (
     _FINITE,
     _concrete_finite,
     _earliest,
-    _finite,
     _finite_and_nan,
     _is_float_aval,
     _Origin,
     _shape,
     _Taint,
+    _validated,
 )
 from ._taint_pieces import MAX_CHECKED_PIECES, _Pieces, origin_of_slice, pieces_made
 from ._taint_tables import (
@@ -66,24 +66,25 @@ def _survivors(
         (rest,) = rest
     kept = [update] if isinstance(update, _Origin) else []
     if isinstance(operand, _Origin):
-        w = jax.lax.select_n(_finite(rest, kinds), operand.w, _FINE)
-        kept.append(_Origin(w, operand.info, operand.external))
+        kept.append(_validated(operand, rest, kinds))
     return kept
+
+
+def _taken(invals: list[Any], i: int) -> Any:
+    """What a `select_n`'s predicate takes of case `i`, zeros where it takes
+    another case."""
+    cases = [value if j == i else jnp.zeros_like(value) for j, value in enumerate(invals)]
+    return jax.lax.select_n(invals[0], *cases[1:])
 
 
 def _selected(invals: list[Any], origins: list[Any], kinds: tuple[str, ...]) -> list[Any]:
     """The origins of a `select_n`'s cases, each kept only if what the predicate
-    takes of it is not finite (checked with the other cases replaced by zeros)."""
-    kept = []
-    for i in range(1, len(invals)):
-        origin = origins[i]
-        if not isinstance(origin, _Origin):
-            continue
-        cases = [value if j == i else jnp.zeros_like(value) for j, value in enumerate(invals)]
-        taken = jax.lax.select_n(invals[0], *cases[1:])
-        w = jax.lax.select_n(_finite(taken, kinds), origin.w, _FINE)
-        kept.append(_Origin(w, origin.info, origin.external))
-    return kept
+    takes of it is not finite."""
+    return [
+        _validated(origin, _taken(invals, i), kinds)
+        for i, origin in enumerate(origins)
+        if i > 0 and isinstance(origin, _Origin)
+    ]
 
 
 def _taken_pieces(
@@ -91,16 +92,11 @@ def _taken_pieces(
 ) -> list[Any]:
     """The piece origins of a `select_n`'s case `i`, each kept only if what the
     predicate takes of the case in that piece is not finite."""
-    cases = [value if j == i else jnp.zeros_like(value) for j, value in enumerate(invals)]
-    taken = jax.lax.select_n(invals[0], *cases[1:])
-    kept = []
-    for k, origin in enumerate(origins):
-        if isinstance(origin, _Origin):
-            part = jax.lax.slice_in_dim(taken, bounds[k], bounds[k + 1], axis=axis)
-            w = jax.lax.select_n(_finite(part, kinds), origin.w, _FINE)
-            origin = _Origin(w, origin.info, origin.external)
-        kept.append(origin)
-    return kept
+    taken = _taken(invals, i)
+    return [
+        _validated(origin, jax.lax.slice_in_dim(taken, bounds[k], bounds[k + 1], axis=axis), kinds)
+        for k, origin in enumerate(origins)
+    ]
 
 
 def _code_vectors(site: int, pos: Any) -> tuple[Any, Any]:
@@ -247,8 +243,7 @@ def _propagate(
                 continue
             inherited = _earliest(traced)
             if kind == "filter":
-                w = jax.lax.select_n(_finite(outval, sites.kinds), inherited.w, _FINE)
-                inherited = _Origin(w, inherited.info, False)
+                inherited = _validated(inherited, outval, sites.kinds)
             out_origins.append(inherited)
             continue
         # It may create a NaN/Inf here.
@@ -333,8 +328,7 @@ def _elementwise_pieces(
             inherited = _earliest(traced)
             if kind == "filter":
                 piece = jax.lax.slice_in_dim(outval, bounds[k], bounds[k + 1], axis=axis)
-                w = jax.lax.select_n(_finite(piece, sites.kinds), inherited.w, _FINE)
-                inherited = _Origin(w, inherited.info, False)
+                inherited = _validated(inherited, piece, sites.kinds)
             parts.append(inherited)
             continue
         if site is None:
