@@ -849,6 +849,14 @@ def _padded_with_nan(x):
     return lax.pad(1.0 / (x * 0.0), jnp.sqrt(x[0] - 5.0), [(2, 0, 0)])  # pad-nan
 
 
+def _inf_buffer(x):
+    return 1.0 / (jnp.concatenate([x, x]) * 0.0)
+
+
+def _nan_of(x):
+    return jnp.sqrt(x - 5.0)  # scatter-nan
+
+
 # Each moves the NaN half into what it keeps and drops the Inf half.
 _PIECE_MOVES = {
     "slice": lambda x: _halves(x)[2:],
@@ -884,6 +892,20 @@ _PIECE_MOVES = {
     "arithmetic of two arrays of parts": lambda x: (_halves(x) - jnp.exp(_halves(x)))[2:],
     "exp": lambda x: jnp.exp(_halves(x))[2:],
     "convert to a wider float": lambda x: _halves(x.astype(jnp.bfloat16)).astype(jnp.float32)[2:],
+    "cumsum along the axis": lambda x: jnp.cumsum(jnp.flip(_halves(x)))[:2],
+    "cumsum along the axis, in reverse": lambda x: lax.cumsum(_halves(x), reverse=True)[2:],
+    "cummax along the axis": lambda x: lax.cummax(jnp.flip(_halves(x)))[:2],
+    "cumprod (another axis)": lambda x: jnp.cumprod(_half_rows(x), axis=0)[:, 2:],
+    "reduce_sum (another axis)": lambda x: _half_rows(x).sum(axis=0)[2:],
+    "scatter of a range (.at[2:].set)": lambda x: _inf_buffer(x).at[2:].set(_nan_of(x))[2:],
+    "scatter of an element (.at[3].set)": lambda x: _inf_buffer(x).at[3].set(_nan_of(x)[0])[3],
+    "scatter of a row (.at[1].set)": lambda x: (
+        _inf_buffer(x).reshape(2, 2).at[1].set(_nan_of(x))[1]
+    ),
+    "scatter of a column (.at[:, 1:].set)": lambda x: (
+        _inf_buffer(x).reshape(2, 2).at[:, 1:].set(_nan_of(x)[:, None])[:, 1]
+    ),
+    "scatter out of range (dropped)": lambda x: _halves(x).at[7].set(1.0)[2:],
 }
 
 
@@ -894,6 +916,8 @@ def test_a_slice_takes_the_origins_of_the_parts_it_keeps(move, jit):
     fn = jax.jit(fn) if jit else fn
     rows = move == "transpose" or "another axis" in move or "rows" in move
     marker = "pad-nan" if move == "pad" else "rows-nan" if rows else "halves-nan"
+    if move.startswith("scatter") and "dropped" not in move:
+        marker = "scatter-nan"
     out = fn(jnp.ones(2))
     assert np.isnan(np.asarray(out)).all()
     expect(report_of(fn, jnp.ones(2)), "sqrt", marker)
@@ -992,6 +1016,61 @@ def test_arithmetic_on_parts_names_the_inf_it_makes_in_the_part_kept(jit):
     fn = jax.jit(f) if jit else f
     assert np.isinf(np.asarray(fn(jnp.ones(2)))).all()
     expect(report_of(fn, jnp.ones(2)), "mul", "overflow-here", kind="inf")
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_cumsum_of_parts_names_the_inf_it_makes_in_the_part_kept(jit):
+    # The running sum overflows in the finite part, before the NaN part: the
+    # slice keeping the first part names the cumsum; the second part keeps the
+    # older NaN of the sqrt.
+    def first(x):
+        parts = jnp.concatenate([x * 3e38, jnp.sqrt(x - 5.0)])  # parts-sqrt
+        return jnp.cumsum(parts)[:2]  # cumsum-overflow
+
+    def second(x):
+        return jnp.cumsum(jnp.concatenate([x * 3e38, jnp.sqrt(x - 5.0)]))[2:]  # sqrt-kept
+
+    wrap = jax.jit if jit else (lambda f: f)
+    assert np.isinf(np.asarray(wrap(first)(jnp.ones(2)))[1])
+    expect(report_of(wrap(first), jnp.ones(2)), "cumsum", "cumsum-overflow", kind="inf")
+    expect(report_of(wrap(second), jnp.ones(2)), "sqrt", "sqrt-kept")
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda: jnp.arange(6).reshape(2, 3) * 2 - 1,
+        lambda: jnp.broadcast_to(jnp.arange(3), (2, 3)).T.reshape(6)[::-1],
+        lambda: jnp.where(jnp.arange(5) < 2, jnp.arange(5), -jnp.arange(5)),
+        lambda: jnp.concatenate([jnp.arange(3), jnp.full((2,), 7)]).astype(jnp.int8),
+        lambda: jnp.clip(jnp.arange(6), 1, 4) + (jnp.arange(6) % 2 == 0),
+        lambda: jnp.maximum(jnp.arange(4), 2) * jnp.minimum(jnp.arange(4), 1),
+        lambda: jnp.squeeze(jnp.arange(3)[None, :] >= 1) & (jnp.arange(3) != 2),
+        lambda: jnp.int32(2**31 - 1) + jnp.arange(3, dtype=jnp.int32),
+        lambda: lax.select_n(jnp.arange(4) < 2, jnp.arange(4), jnp.arange(4) * 3),
+        lambda: lax.clamp(1, jnp.arange(5), 3),
+    ],
+)
+def test_integers_known_while_tracing_are_those_jax_computes(fn):
+    # find_nans evaluates the integers a program computes from its literals
+    # alone with NumPy while tracing (for the indices of `x.at[2:].set(v)`
+    # under jit): each equation's value must be JAX's.
+    from kups.debug._taint_known import known_outputs
+
+    closed = jax.make_jaxpr(fn)()
+    env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+    evaluated = 0
+    for eqn in closed.jaxpr.eqns:
+        values = [v.val if isinstance(v, jax.extend.core.Literal) else env[v] for v in eqn.invars]
+        expected = eqn.primitive.bind(*values, **eqn.params)
+        expected = expected[0] if eqn.primitive.multiple_results else expected
+        env[eqn.outvars[0]] = np.asarray(expected)
+        got = known_outputs(eqn, values)
+        if got is not None:
+            evaluated += 1
+            np.testing.assert_array_equal(got, np.asarray(expected))
+            assert got.dtype == np.asarray(expected).dtype
+    assert evaluated >= 2
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

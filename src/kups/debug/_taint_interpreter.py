@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 from jax.extend.core import Jaxpr, JaxprEqn
 
 from kups.effects import (
@@ -21,6 +22,7 @@ from kups.effects import (
 from ._constants import _is_literal
 from ._position import _loop_depth
 from ._sites import _Sites
+from ._taint_known import known_outputs
 from ._taint_origin import (
     _EXTERNAL,
     _IO,
@@ -52,6 +54,8 @@ class _TaintInterpreter(Interpreter):
         self.frames: list[dict[Any, Any]] = []
         # Per frame: the values whose parts came from different inputs (`_Pieces`).
         self.pieces: list[dict[Any, Any]] = []
+        # Per frame: the integers computed from literals alone (`_taint_known`).
+        self.known: list[dict[Any, Any]] = []
         # Per frame: the equations run in it since `tick` was last advanced.
         self.pending: list[int] = []
         # Whether any value met so far is typed for a mesh: only then can origins
@@ -85,6 +89,34 @@ class _TaintInterpreter(Interpreter):
     def set_pieces(self, atom: Any, pieces: Any) -> None:
         self.pieces[-1][atom] = pieces
 
+    def learn(self, eqn: JaxprEqn, invals: list[Any]) -> None:
+        """Keeps the value of `eqn`'s integer output if it is computed from
+        literals and known integers alone (`_taint_known`)."""
+        known = self.known[-1]
+        values = []
+        for v, x in zip(eqn.invars, invals, strict=True):
+            if _is_literal(v):
+                values.append(v.val)  # pyright: ignore[reportAttributeAccessIssue]
+            elif v in known:
+                values.append(known[v])
+            elif isinstance(x, Tracer):
+                return
+            else:
+                values.append(x)
+        value = known_outputs(eqn, values)
+        if value is not None:
+            known[eqn.outvars[0]] = value
+
+    def static(self, eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
+        """`invals`, with the integers computed from literals alone known."""
+        known = self.known[-1]
+        if not known:
+            return invals
+        return [
+            known.get(v, x) if isinstance(x, Tracer) and not _is_literal(v) else x
+            for v, x in zip(eqn.invars, invals, strict=True)
+        ]
+
     def interpret_jaxpr(
         self, jaxpr: Jaxpr, consts: Any, ctx: Any, args: Any
     ) -> tuple[list[Any], Any]:
@@ -116,6 +148,7 @@ class _TaintInterpreter(Interpreter):
         if len(in_pieces) == len(jaxpr.invars):  # a body that takes the inputs one to one
             pieces = {v: p for v, p in zip(jaxpr.invars, in_pieces, strict=True) if p is not None}
         self.pieces.append(pieces)
+        self.known.append({})
         self.pending.append(0)
         try:
             outs, ctx = super().interpret_jaxpr(jaxpr, consts, ctx._replace(io=None), args)
@@ -123,6 +156,7 @@ class _TaintInterpreter(Interpreter):
         finally:
             self.frames.pop()
             self.pieces.pop()
+            self.known.pop()
             self.pending.pop()
         out_origins = [
             None if _is_literal(v) else frame[v] if v in frame else _float_origin(v.aval, _EXTERNAL)

@@ -1,13 +1,14 @@
 """`report="reaching"`: the parts of an array that came from different inputs.
 
 An array's origin is one event, the earliest among what it holds. A
-`concatenate`, a `stack`, a `pad` along one axis or a `dynamic_update_slice` at
-a start known while tracing puts inputs of different origins side by side along
-an axis: the output remembers which range of that axis came from which input
-(`_Pieces`). The ranges follow the equations that move elements without mixing
-them (`rev`, `transpose`, `squeeze`, `broadcast_in_dim`, reshapes that keep the
-axis whole, reductions and sorts along other axes, slices themselves), here;
-elementwise equations check each range on its own (`_taint_rules`). A slice of
+`concatenate`, a `stack`, a `pad` along one axis, or a `dynamic_update_slice`
+or one-window `scatter` at an index known while tracing (`_taint_known`) puts
+inputs of different origins side by side along an axis: the output remembers
+which range of that axis came from which input (`_Pieces`). The ranges follow
+the equations that move elements without mixing them (`rev`, `transpose`,
+`squeeze`, `broadcast_in_dim`, reshapes that keep the axis whole, reductions
+and sorts along other axes, slices themselves), here; elementwise, sum and
+cumulative equations check each range on its own (`_taint_rules`). A slice of
 it (`slice`, `dynamic_slice`) or a gather of single elements along the axis
 then takes the origins of only the pieces it keeps, each kept only if the part
 of the output it fills is not finite. The bounds are static: this costs one
@@ -65,6 +66,15 @@ MAX_CHECKED_PIECES = 8
 _ALONG_OTHER_AXES = frozenset({"reduce_max", "reduce_min", "cummax", "cummin", "sort"})
 
 
+# Equations of one input that sum, multiply or accumulate along the axes they
+# name (`axes` or `axis` params): each output range is computed from the ranges
+# at its place along other axes, or, accumulating along the pieced axis, from
+# the ranges up to it.
+_ACCUMULATING = frozenset(
+    {"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "cummax", "cummin"}
+)
+
+
 def _piece_origin(origin: Any, value: Any) -> Any:
     """`origin` as a piece's origin, or `None` when it cannot be one (an argument,
     a constant that may hold a NaN/Inf)."""
@@ -90,6 +100,8 @@ def pieces_made(
         return _stacked(eqn, invals, origins)
     if name == "dynamic_update_slice":
         return _updated(invals, origins, pieces)
+    if name == "scatter" and len(invals) == 3:
+        return _scattered(eqn, invals, origins, pieces)
     if not pieces or pieces[0] is None:
         return None
     own = pieces[0]
@@ -132,6 +144,34 @@ def pieces_made(
         bounds = (*(lo for lo, _, _ in kept), kept[-1][1])
         return _Pieces(own.axis, bounds, tuple(o for _, _, o in kept))
     return None
+
+
+def accumulated(
+    eqn: JaxprEqn, invals: list[Any], own: _Pieces
+) -> tuple[tuple[int, tuple[int, ...]], list[list[Any]]] | None:
+    """For an `_ACCUMULATING` equation on an array of pieces `own`: the axis and
+    bounds of its output's ranges, and the pieces' origins each is computed from.
+    `None` for a reduction along the pieced axis (it mixes every range)."""
+    if len(invals) != 1 or eqn.primitive.name not in _ACCUMULATING:
+        return None
+    ndim = len(np.shape(invals[0]))
+    ranges = [[o] for o in own.origins]
+    if "axes" in eqn.params:
+        axes = {a % ndim for a in eqn.params["axes"]}
+        if own.axis in axes:
+            return None
+        axis = own.axis - sum(1 for a in axes if a < own.axis)
+        return (axis, own.bounds), ranges
+    if eqn.params["axis"] % ndim == own.axis:
+        # Range k of a cumulative output is computed from ranges 0 to k (k to the
+        # last, in reverse).
+        order = list(own.origins)
+        if eqn.params.get("reverse", False):
+            order.reverse()
+        ranges = [order[: k + 1] for k in range(len(order))]
+        if eqn.params.get("reverse", False):
+            ranges.reverse()
+    return (own.axis, own.bounds), ranges
 
 
 def _widening(eqn: JaxprEqn, value: Any) -> bool:
@@ -336,24 +376,76 @@ def _updated(invals: list[Any], origins: list[Any], pieces: list[_Pieces | None]
     axis = axes[0]
     # Out of range, dynamic_update_slice clamps the start.
     start = min(max(int(indices[axis]), 0), shape[axis] - size[axis])
-    stop = start + size[axis]
-    ranges = []
-    for value, origin, own, offset in (
-        (operand, origins[0], pieces[0], 0),
-        (update, origins[1], pieces[1], start),
+    return _overwritten(
+        axis, start, size[axis], (operand, origins[0], pieces[0]), (update, origins[1], pieces[1])
+    )
+
+
+def _scattered(
+    eqn: JaxprEqn, invals: list[Any], origins: list[Any], pieces: list[_Pieces | None]
+) -> _Pieces | None:
+    """A `scatter` (`x.at[i].set(v)`, `x.at[a:b].set(v)`) of one window along
+    one axis, spanning the others, at an index known while tracing: as a
+    `dynamic_update_slice` there."""
+    operand, indices, update = invals
+    numbers = eqn.params["dimension_numbers"]
+    if (
+        isinstance(indices, Tracer)
+        or numbers.operand_batching_dims
+        or len(numbers.scatter_dims_to_operand_dims) != 1
+        or np.size(indices) != 1
     ):
+        return None
+    shape = np.shape(operand)
+    axis = numbers.scatter_dims_to_operand_dims[0]
+    # The update's window axes are the operand's axes it does not insert.
+    window_of = [d for d in range(len(shape)) if d not in numbers.inserted_window_dims]
+    if list(numbers.inserted_window_dims) not in ([], [axis]) or len(window_of) != len(
+        numbers.update_window_dims
+    ):
+        return None
+    sizes = dict(zip(window_of, (np.shape(update)[d] for d in numbers.update_window_dims)))
+    if any(sizes[d] != shape[d] for d in window_of if d != axis):
+        return None
+    length = sizes.get(axis, 1)
+    start = int(np.asarray(indices).reshape(()))
+    if not 0 <= start <= shape[axis] - length:
+        if str(eqn.params["mode"]).endswith("FILL_OR_DROP"):
+            return pieces[0]  # out of range, the update is dropped
+        start = min(max(start, 0), shape[axis] - length)
+    # The update's pieces count only along the axis it writes.
+    own = pieces[2]
+    if own is not None and (
+        axis not in sizes or numbers.update_window_dims[window_of.index(axis)] != own.axis
+    ):
+        own = None
+    return _overwritten(
+        axis, start, length, (operand, origins[0], pieces[0]), (update, origins[2], own)
+    )
+
+
+def _overwritten(
+    axis: int, start: int, length: int, operand: tuple[Any, Any, Any], update: tuple[Any, Any, Any]
+) -> _Pieces | None:
+    """The pieces of `operand` (value, origin, pieces) with elements `start` to
+    `start + length` along `axis` overwritten by `update`: the operand's ranges
+    before and after, the update's (or its one origin) in between."""
+    stop = start + length
+    size = np.shape(operand[0])[axis]
+    ranges = []
+    for (value, origin, own), offset, extent in ((operand, 0, size), (update, start, length)):
         if own is not None and own.axis == axis:
             parts = [(offset + lo, offset + hi, o) for lo, hi, o in _ranges(own)]
         else:
             whole = _piece_origin(origin, value) if own is None else None
             if whole is None:
                 return None
-            parts = [(offset, offset + np.shape(value)[axis], whole)]
+            parts = [(offset, offset + extent, whole)]
         ranges.append(parts)
     kept_operand = [
         (max(lo, a), min(hi, b), o)
         for lo, hi, o in ranges[0]
-        for a, b in ((0, start), (stop, shape[axis]))
+        for a, b in ((0, start), (stop, size))
         if max(lo, a) < min(hi, b)
     ]
     merged = sorted([*kept_operand, *ranges[1]], key=lambda r: r[0])

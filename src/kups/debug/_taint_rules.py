@@ -40,7 +40,14 @@ from ._taint_origin import (
     _Taint,
     _validated,
 )
-from ._taint_pieces import MAX_CHECKED_PIECES, _Pieces, origin_of_slice, pieces_made
+from ._taint_pieces import (
+    _ACCUMULATING,
+    MAX_CHECKED_PIECES,
+    _Pieces,
+    accumulated,
+    origin_of_slice,
+    pieces_made,
+)
 from ._taint_tables import (
     _COLLECTIVES,
     _ELEMENTWISE,
@@ -178,8 +185,11 @@ def _taint_equation(
     ):
         # Constants alone, none of them a NaN/Inf written in the program.
         interpreter.set_origins(eqn.outvars, [None] * len(eqn.outvars))
+        interpreter.learn(eqn, invals)
         return HandlerResult(state, outvals)
     pieces = interpreter.pieces_of(eqn.invars)
+    # Indices computed from literals are known while tracing.
+    invals = interpreter.static(eqn, invals)
     if pieces[0] is not None and isinstance(origins[0], _Origin) and _is_float(outvals[0]):
         # A slice of an array whose parts came from different inputs.
         sliced = origin_of_slice(eqn, invals, pieces[0], outvals[0], sites.kinds)
@@ -194,6 +204,8 @@ def _taint_equation(
         made = _elementwise_pieces(
             sites, state, eqn, invals, origins, pieces, outvals, pending, site
         )
+    elif made is None and eqn.primitive.name in _ACCUMULATING and pieces[0] is not None:
+        made = _accumulated_pieces(sites, state, eqn, invals, pieces[0], outvals[0], pending, site)
     if made is not None:
         interpreter.set_pieces(eqn.outvars[0], made)
     return HandlerResult(state, outvals)
@@ -318,9 +330,50 @@ def _elementwise_pieces(
             operand = _taken_pieces(invals, i, operand, axis, bounds, sites.kinds)
         per_operand.append(operand)
     kind = "create" if unknown else _class_of(eqn, invals, outval, sites.kinds)
+    sources = [[o[k] for o in per_operand] for k in range(len(bounds) - 1)]
+    return _checked_parts(sites, state, outval, axis, bounds, sources, kind, pending, site)
+
+
+def _accumulated_pieces(
+    sites: _Sites,
+    state: _Taint,
+    eqn: JaxprEqn,
+    invals: list[Any],
+    own: _Pieces,
+    outval: Any,
+    pending: int,
+    site: int | None,
+) -> _Pieces | None:
+    """The pieces of a sum, product or cumulative equation's output
+    (`accumulated`), each range checked where the equation can make a NaN/Inf
+    (an overflow)."""
+    if not _is_float(outval) or len(own.origins) > MAX_CHECKED_PIECES:
+        return None
+    found = accumulated(eqn, invals, own)
+    if found is None:
+        return None
+    (axis, bounds), sources = found
+    kind = _class_of(eqn, invals, outval, sites.kinds)
+    return _checked_parts(sites, state, outval, axis, bounds, sources, kind, pending, site)
+
+
+def _checked_parts(
+    sites: _Sites,
+    state: _Taint,
+    outval: Any,
+    axis: int,
+    bounds: tuple[int, ...],
+    sources: list[list[Any]],
+    kind: str,
+    pending: int,
+    site: int | None,
+) -> _Pieces | None:
+    """`outval`'s pieces along `axis` at `bounds`: range `k` computed from the
+    origins `sources[k]` by an equation of class `kind` (see `_class_of`) and
+    `site`, as `_propagate` would give an output of just that range."""
     parts = []
-    for k in range(len(bounds) - 1):
-        traced = [o[k] for o in per_operand if isinstance(o[k], _Origin)]
+    for k, origins in enumerate(sources):
+        traced = [o for o in origins if isinstance(o, _Origin)]
         if kind != "create":
             if not traced:
                 parts.append(_FINITE)
