@@ -923,6 +923,96 @@ def test_a_slice_takes_the_origins_of_the_parts_it_keeps(move, jit):
     expect(report_of(fn, jnp.ones(2)), "sqrt", marker)
 
 
+def _stacked(x, reverse=False):
+    """A scan whose iterations 0 and 1 output Inf rows, 2 and 3 NaN rows."""
+
+    def step(c, i):
+        inf = 1.0 / (c * 0.0)  # row-inf
+        nan = jnp.sqrt(c - 5.0)  # row-nan
+        return c, jnp.where(i < 2, inf, nan)
+
+    return lax.scan(step, x, jnp.arange(4), reverse=reverse)[1]
+
+
+# Each keeps NaN rows only: (read, the iteration of the earliest NaN row kept).
+_ROW_READS = {
+    "slice": (lambda x, i: _stacked(x)[2:], 2),
+    "index": (lambda x, i: _stacked(x)[3], 3),
+    "negative index": (lambda x, i: _stacked(x)[-2], 2),
+    "strided slice": (lambda x, i: _stacked(x)[3:1:-1], 2),
+    "dynamic_slice at a traced index": (
+        lambda x, i: lax.dynamic_slice(_stacked(x), (i, 0), (2, 2)),
+        2,
+    ),
+    "index at a traced index": (lambda x, i: _stacked(x)[i + 1], 3),
+    "gather (ys[indices])": (lambda x, i: _stacked(x)[jnp.stack([i + 1, i])], 2),
+    # Reversed, iteration 3 runs first.
+    "reverse scan": (lambda x, i: _stacked(x, reverse=True)[2:], 3),
+    "slice of a column": (lambda x, i: _stacked(x)[2:, :1], 2),
+}
+
+
+@pytest.mark.parametrize("read", sorted(_ROW_READS))
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_slice_of_a_scan_output_takes_the_rows_it_keeps(read, jit):
+    fn, iteration = _ROW_READS[read]
+    fn = jax.jit(fn) if jit else fn
+    args = (jnp.ones(2), jnp.int32(2))
+    assert np.isnan(np.asarray(fn(*args))).all()
+    expect(report_of(fn, *args), "sqrt", "row-nan", iterations=[iteration])
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_the_rows_of_a_scan_output_keep_their_iterations(jit):
+    wrap = jax.jit if jit else (lambda f: f)
+    x = jnp.ones(2)
+    # The whole output, and slices that keep an Inf row, name the earliest Inf
+    # row they keep.
+    for keeps_an_inf, row in (
+        (_stacked, 0),
+        (lambda x: _stacked(x)[1:3], 1),
+        (lambda x: _stacked(x)[:2], 0),
+        (lambda x: _stacked(x)[1], 1),
+    ):
+        expect(report_of(wrap(keeps_an_inf), x), "div", "row-inf", kind="inf", iterations=[row])
+    # NaNs only: the first NaN row, even with the Inf rows kept.
+    nans = find_nans(wrap(lambda x: _stacked(x)[1:]), kinds=("nan",))(x)[1]
+    expect(nans, "sqrt", "row-nan", iterations=[2])
+
+    # Rows the slice drops are not reported when what it keeps is finite.
+    def finite_rows(x):
+        ys = lax.scan(lambda c, i: (c, jnp.where(i < 2, jnp.sqrt(c - 5.0), c)), x, jnp.arange(4))[1]
+        return ys[2:]
+
+    assert report_of(wrap(finite_rows), x).found is False
+
+
+def test_the_rows_of_a_nested_scan_output_keep_both_iterations():
+    # The inner scan's rows, sliced inside the outer body: the NaN row of outer
+    # iteration 1 at inner iteration 2 is the one kept.
+    def f(x):
+        def outer(c, j):
+            return c, _stacked(c + j)[2:].sum()
+
+        return lax.scan(outer, x, jnp.arange(3.0))[1][1:]
+
+    expect(report_of(f, jnp.ones(2)), "sqrt", "row-nan", iterations=[1, 2])
+
+
+def test_a_scan_longer_than_the_row_limit_merges_its_rows(monkeypatch):
+    # Past MAX_ROWS the stacked output has one origin, the earliest row's.
+    import kups.debug._taint_control as control
+
+    monkeypatch.setattr(control, "MAX_ROWS", 3)
+    expect(
+        report_of(lambda x: _stacked(x)[2:], jnp.ones(2)),
+        "div",
+        "row-inf",
+        kind="inf",
+        iterations=[0],
+    )
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_a_slice_that_keeps_both_parts_takes_the_earliest(jit):
     def keeps_the_inf(x):

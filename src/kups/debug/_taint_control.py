@@ -40,11 +40,13 @@ from ._taint_origin import (
     _earliest,
     _Flag,
     _float_origin,
+    _is_float_aval,
     _Origin,
     _shape,
     _Taint,
 )
 from ._taint_pieces import with_pieces, without_pieces
+from ._taint_rows import MAX_ROWS, _Rows, no_rows, rows_origin
 from ._taint_rules import _earliest_over, _flush, _taint_equation
 
 
@@ -134,7 +136,13 @@ def _taint_loop(
             )
         ]
         xs = origins[num_consts + num_carry :]
-        ys = [_as_slot(_FINITE, v.aval, length) for v in eqn.outvars[num_carry:]]
+        steps = int(eqn.params["length"])
+        ys = [
+            no_rows(steps, length)
+            if 0 < steps <= MAX_ROWS and _is_float_aval(v.aval)
+            else _as_slot(_FINITE, v.aval, length)
+            for v in eqn.outvars[num_carry:]
+        ]
         io = _IO("scan", (len(consts), len(carry), len(xs), len(ys)), (*consts, *carry, *xs, *ys))
     else:
         body = eqn.params["body_jaxpr"]
@@ -166,15 +174,23 @@ def _taint_loop(
         interpreter, inner, eqn, invals, updater=functools.partial(_advance, slot, by)
     )
     io = result.ctx.io
+    stacked: list[Any] = []
     if isinstance(io, _IO) and io.role in ("scan", "while"):
         if io.role == "scan":
-            _, carry, _, ys = io.groups()
+            _, carry, _, stacked = io.groups()
+            ys = [rows_origin(y) if isinstance(y, _Rows) else y for y in stacked]
             io = _IO("out", (), (*carry, *ys))
         else:
             _, carry = io.groups()
             io = _IO("out", (), tuple(carry))
         result = HandlerResult(result.ctx._replace(io=io), result.outvals)
-    return _left(interpreter, state, eqn, result)
+    left = _left(interpreter, state, eqn, result)
+    # Each row of a stacked output keeps the origin of the iteration that made it.
+    stacked_vars = eqn.outvars[len(eqn.outvars) - len(stacked) :]
+    for var, y in zip(stacked_vars, stacked, strict=True):
+        if isinstance(y, _Rows):
+            interpreter.set_rows(var, y)
+    return left
 
 
 def _taint_cond(interpreter: Any, state: _Taint, eqn: JaxprEqn, invals: list[Any]) -> HandlerResult:

@@ -34,6 +34,7 @@ from ._taint_origin import (
     _validated,
 )
 from ._taint_pieces import with_pieces, without_pieces
+from ._taint_rows import _Rows, written
 from ._taint_rules import _flush
 
 
@@ -54,6 +55,8 @@ class _TaintInterpreter(Interpreter):
         self.frames: list[dict[Any, Any]] = []
         # Per frame: the values whose parts came from different inputs (`_Pieces`).
         self.pieces: list[dict[Any, Any]] = []
+        # Per frame: the origins of the rows of scans' stacked outputs (`_Rows`).
+        self.rows: list[dict[Any, Any]] = []
         # Per frame: the integers computed from literals alone (`_taint_known`).
         self.known: list[dict[Any, Any]] = []
         # Per frame: the equations run in it since `tick` was last advanced.
@@ -88,6 +91,14 @@ class _TaintInterpreter(Interpreter):
 
     def set_pieces(self, atom: Any, pieces: Any) -> None:
         self.pieces[-1][atom] = pieces
+
+    def rows_of(self, atom: Any) -> Any:
+        """The `_Rows` of a scan's stacked output, or `None`."""
+        rows = self.rows[-1]
+        return None if not rows or _is_literal(atom) else rows.get(atom)
+
+    def set_rows(self, atom: Any, rows: Any) -> None:
+        self.rows[-1][atom] = rows
 
     def learn(self, eqn: JaxprEqn, invals: list[Any]) -> None:
         """Keeps the value of `eqn`'s integer output if it is computed from
@@ -149,6 +160,7 @@ class _TaintInterpreter(Interpreter):
             pieces = {v: p for v, p in zip(jaxpr.invars, in_pieces, strict=True) if p is not None}
         self.pieces.append(pieces)
         self.known.append({})
+        self.rows.append({})
         self.pending.append(0)
         try:
             outs, ctx = super().interpret_jaxpr(jaxpr, consts, ctx._replace(io=None), args)
@@ -157,6 +169,7 @@ class _TaintInterpreter(Interpreter):
             self.frames.pop()
             self.pieces.pop()
             self.known.pop()
+            self.rows.pop()
             self.pending.pop()
         out_origins = [
             None if _is_literal(v) else frame[v] if v in frame else _float_origin(v.aval, _EXTERNAL)
@@ -218,8 +231,12 @@ def _leave(io: _IO, state: _Taint, jaxpr: Jaxpr, origins: list[Any], outs: Any) 
         carry_out = [
             _as_slot(o, a, length) for o, a in zip(origins[:num_carry], avals, strict=False)
         ]
+        # The iteration's index: the loop's slot in `pos` (see `_taint_loop`).
+        index = state.pos[1 + state.scope.loop_depth]
         merged = [
-            _merged_slot(acc, o, a, length)
+            written(acc, index, _as_slot(o, a, length))
+            if isinstance(acc, _Rows)
+            else _merged_slot(acc, o, a, length)
             for acc, o, a in zip(ys, origins[num_carry:], avals[num_carry:], strict=True)
         ]
         return _IO("scan", io.counts, (*consts, *carry_out, *xs, *merged))

@@ -136,6 +136,15 @@ def _all_reduce(op: Callable[..., Any], value: Any) -> Any:
     return op(value, tuple(range(value.ndim)))
 
 
+def _not_finite(value: Any, kinds: tuple[str, ...]) -> Any:
+    """Elementwise, whether `value` is of `kinds` (a NaN, an Inf)."""
+    if tuple(kinds) == ("nan",):
+        return jnp.isnan(value)
+    if tuple(kinds) == ("inf",):
+        return jnp.isinf(value)
+    return jnp.logical_not(jnp.isfinite(value))
+
+
 def _finite(value: Any, kinds: tuple[str, ...] = ("nan", "inf")) -> Any:
     """Whether no element of `value` is of `kinds` (a NaN, an Inf: with both, whether
     every element is finite), a traced scalar."""

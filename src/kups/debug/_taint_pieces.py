@@ -26,7 +26,15 @@ import numpy as np
 from jax.core import Tracer
 from jax.extend.core import JaxprEqn
 
-from ._taint_origin import _FINE, _FINITE, _concrete_finite, _earliest, _Origin, _validated
+from ._taint_origin import (
+    _FINE,
+    _FINITE,
+    _concrete_finite,
+    _earliest,
+    _not_finite,
+    _Origin,
+    _validated,
+)
 
 
 class _Pieces(NamedTuple):
@@ -135,9 +143,9 @@ def pieces_made(
         if eqn.params["shape"][axis] != own.bounds[-1]:
             return None
         return own._replace(axis=axis)
-    window = _window(eqn, invals)
-    if window is not None:
-        start, stop, stride = window[own.axis]
+    span = window(eqn, invals)
+    if span is not None:
+        start, stop, stride = span[own.axis]
         kept = _kept(own, start, stop, stride)
         if len(kept) < 2:
             return None
@@ -217,13 +225,13 @@ def origin_of_slice(
     not such a slice."""
     if own is None:
         return None
-    window = _window(eqn, invals)
-    if window is None:
-        found = _positions(eqn, invals, own)
+    span = window(eqn, invals)
+    if span is None:
+        found = positions(eqn, invals, own.axis)
         if found is None or len(own.origins) > MAX_CHECKED_PIECES:
             return None
         return _masked_origin(own, outval, *found, kinds)
-    start, stop, stride = window[own.axis]
+    start, stop, stride = span[own.axis]
     traced = []
     for lo, hi, origin in _kept(own, start, stop, stride):
         if isinstance(origin, _Origin):
@@ -232,35 +240,36 @@ def origin_of_slice(
     return _earliest(traced) if traced else _FINITE
 
 
-def _positions(eqn: JaxprEqn, invals: list[Any], own: _Pieces) -> tuple[int, Any] | None:
+def positions(eqn: JaxprEqn, invals: list[Any], axis: int) -> tuple[int, Any] | None:
     """For a `dynamic_slice` at indices computed at run time, or a `gather` that
-    picks single elements along the pieced axis by a vector of indices (`x[idx]`,
-    `jnp.take`): the output axis the pieced axis becomes, and the index along the
-    pieced axis (a traced vector) of each position of it. `None` for any other."""
+    picks single elements along `axis` by a vector of indices (`x[idx]`,
+    `jnp.take`): the output axis `axis` becomes, and the index along `axis` (a
+    traced vector, -1 where a gather fills) of each position of it. `None` for
+    any other equation."""
     name = eqn.primitive.name
     shape = np.shape(invals[0])
-    size = shape[own.axis]
+    size = shape[axis]
     if name == "dynamic_slice":
         indices = invals[1 : 1 + len(shape)]
         if len(indices) != len(shape):
             return None
-        length = eqn.params["slice_sizes"][own.axis]
+        length = eqn.params["slice_sizes"][axis]
         # Out of range, dynamic_slice clamps the start.
-        start = jnp.clip(jnp.asarray(indices[own.axis], np.int32), 0, size - length)
-        return own.axis, start + jnp.arange(length, dtype=np.int32)
+        start = jnp.clip(jnp.asarray(indices[axis], np.int32), 0, size - length)
+        return axis, start + jnp.arange(length, dtype=np.int32)
     if name != "gather":
         return None
     numbers, indices = eqn.params["dimension_numbers"], invals[1]
     if (
         numbers.operand_batching_dims
-        or own.axis not in numbers.collapsed_slice_dims
-        or own.axis not in numbers.start_index_map
+        or axis not in numbers.collapsed_slice_dims
+        or axis not in numbers.start_index_map
         or np.ndim(indices) != 2
     ):
         return None
     # One batch axis: the output axis that is not an offset axis.
     out_axis = next(i for i in range(len(numbers.offset_dims) + 1) if i not in numbers.offset_dims)
-    column = numbers.start_index_map.index(own.axis)
+    column = numbers.start_index_map.index(axis)
     index = jax.lax.index_in_dim(jnp.asarray(indices), column, axis=1, keepdims=False)
     if str(eqn.params["mode"]).endswith("FILL_OR_DROP"):
         # Out of range, the element is the fill value, not one of the operand's.
@@ -275,12 +284,7 @@ def _masked_origin(
 ) -> Any:
     """The earliest origin of the pieces whose elements, at `positions` along the
     output's `axis` (indices into the pieced axis), are not finite."""
-    if tuple(kinds) == ("nan",):
-        bad = jnp.isnan(outval)
-    elif tuple(kinds) == ("inf",):
-        bad = jnp.isinf(outval)
-    else:
-        bad = jnp.logical_not(jnp.isfinite(outval))
+    bad = _not_finite(outval, kinds)
     shape = [1] * np.ndim(outval)
     shape[axis] = -1
     traced = []
@@ -309,7 +313,7 @@ def _kept(own: _Pieces, start: int, stop: int, stride: int) -> list[tuple[int, i
     return kept
 
 
-def _window(eqn: JaxprEqn, invals: list[Any]) -> list[tuple[int, int, int]] | None:
+def window(eqn: JaxprEqn, invals: list[Any]) -> list[tuple[int, int, int]] | None:
     """`(start, stop, stride)` per axis of a `slice`, or of a `dynamic_slice` whose
     indices are known while tracing; `None` for any other equation."""
     name = eqn.primitive.name

@@ -48,6 +48,7 @@ from ._taint_pieces import (
     origin_of_slice,
     pieces_made,
 )
+from ._taint_rows import origin_of_rows
 from ._taint_tables import (
     _COLLECTIVES,
     _ELEMENTWISE,
@@ -193,6 +194,12 @@ def _taint_equation(
     if pieces[0] is not None and isinstance(origins[0], _Origin) and _is_float(outvals[0]):
         # A slice of an array whose parts came from different inputs.
         sliced = origin_of_slice(eqn, invals, pieces[0], outvals[0], sites.kinds)
+        if sliced is not None:
+            origins = [sliced, *origins[1:]]
+    rows = interpreter.rows_of(eqn.invars[0]) if eqn.invars else None
+    if rows is not None and _is_float(outvals[0]):
+        # A slice of a scan's stacked output: the rows it keeps.
+        sliced = origin_of_rows(eqn, invals, rows, outvals[0], sites.kinds)
         if sliced is not None:
             origins = [sliced, *origins[1:]]
     pending = interpreter.pending[-1]
