@@ -7,6 +7,7 @@ import os
 import re
 
 import equinox as eqx
+import equinox.internal as eqxi
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -1011,6 +1012,67 @@ def test_a_scan_longer_than_the_row_limit_merges_its_rows(monkeypatch):
         kind="inf",
         iterations=[0],
     )
+
+
+def _nan_row(x):
+    return jnp.sqrt(x - 5.0)  # written-nan
+
+
+def _inf_rows():
+    return jnp.full((4, 2), jnp.inf)  # buffer-fill
+
+
+def _row_body(x):
+    """Writes a NaN row at index `i`."""
+
+    def write(i, buf):
+        return buf.at[i].set(_nan_row(x))
+
+    return write
+
+
+def _checkpointed(x, buffers):
+    def body(c):
+        i, buf = c
+        return i + 1, _row_body(x)(i, buf)
+
+    return eqxi.while_loop(
+        lambda c: c[0] < 2,
+        body,
+        (0, _inf_rows()),
+        kind="checkpointed",
+        max_steps=4,
+        buffers=buffers,
+    )[1]
+
+
+# Each fills a (4, 2) buffer with Inf, then a loop writes NaN rows 0 and 1.
+_ROW_WRITERS = {
+    "fori_loop (a scan)": lambda x: lax.fori_loop(0, 2, _row_body(x), _inf_rows()),
+    "while_loop": lambda x: lax.while_loop(
+        lambda c: c[0] < 2, lambda c: (c[0] + 1, _row_body(x)(c[0], c[1])), (0, _inf_rows())
+    )[1],
+    "dynamic_update_slice": lambda x: lax.fori_loop(
+        0, 2, lambda i, buf: lax.dynamic_update_slice(buf, _nan_row(x)[None], (i, 0)), _inf_rows()
+    ),
+    "equinox checkpointed while_loop": lambda x: _checkpointed(x, None),
+    "equinox buffers (maybe_set)": lambda x: _checkpointed(x, lambda c: c[1]),
+}
+
+
+@pytest.mark.parametrize("writer", sorted(_ROW_WRITERS))
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_buffer_a_loop_writes_row_by_row_keeps_each_rows_origin(writer, jit):
+    buffer = _ROW_WRITERS[writer]
+    wrap = jax.jit if jit else (lambda f: f)
+    x = jnp.ones(2)
+    # The rows written: the NaN of the first write, not the older Inf fill.
+    expect(report_of(wrap(lambda x: buffer(x)[:2]), x), "sqrt", "written-nan", iterations=[0])
+    expect(report_of(wrap(lambda x: buffer(x)[1]), x), "sqrt", "written-nan", iterations=[1])
+    # The rows left: the fill; the whole buffer: the fill, which came first.
+    for keeps_the_fill in (lambda x: buffer(x)[2:], buffer):
+        report = report_of(wrap(keeps_the_fill), x)
+        expect(report, "broadcast_in_dim", "buffer-fill", kind="inf")
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

@@ -46,7 +46,16 @@ from ._taint_origin import (
     _Taint,
 )
 from ._taint_pieces import with_pieces, without_pieces
-from ._taint_rows import MAX_ROWS, _Rows, no_rows, rows_origin
+from ._taint_rows import (
+    MAX_ROWS,
+    _Rows,
+    broadcast_rows,
+    carried_rows,
+    no_rows,
+    rows_origin,
+    with_rows,
+    without_rows,
+)
 from ._taint_rules import _earliest_over, _flush, _taint_equation
 
 
@@ -57,7 +66,8 @@ def _taint_call(
     equation's inputs one to one."""
     state = _flush(interpreter, state)
     origins = interpreter.origins_of(eqn.invars, eqn)
-    io = _IO("call", (), with_pieces(origins, interpreter.pieces_of(eqn.invars)))
+    entries = with_pieces(origins, interpreter.pieces_of(eqn.invars))
+    io = _IO("call", (), with_rows(entries, [interpreter.rows_of(v) for v in eqn.invars]))
     result = handler(interpreter, state._replace(io=io), eqn, invals)
     return _left(interpreter, state, eqn, result)
 
@@ -68,8 +78,10 @@ def _left(interpreter: Any, state: _Taint, eqn: JaxprEqn, result: HandlerResult)
     io = result.ctx.io
     avals = [v.aval for v in eqn.outvars]
     pieces: list[Any] = []
+    rows: list[Any] = []
     if isinstance(io, _IO) and io.role == "out" and len(io.origins) == len(avals):
-        origins, pieces = without_pieces(io.origins)
+        entries, rows = without_rows(io.origins)
+        origins, pieces = without_pieces(entries)
         origins = [_float_origin(a, o) for a, o in zip(avals, origins, strict=True)]
     else:
         # The body was run passively (no floating output) or not at all.
@@ -78,6 +90,9 @@ def _left(interpreter: Any, state: _Taint, eqn: JaxprEqn, result: HandlerResult)
     for var, own in zip(eqn.outvars, pieces, strict=False):
         if own is not None:
             interpreter.set_pieces(var, own)
+    for var, own in zip(eqn.outvars, rows, strict=False):
+        if own is not None:
+            interpreter.set_rows(var, own)
     ctx = result.ctx._replace(io=None, pos=state.pos, here=state.here, scope=state.scope)
     return HandlerResult(ctx, result.outvals)
 
@@ -122,19 +137,20 @@ def _taint_loop(
         return loop_handler(interpreter, state, eqn, invals)
     state = _flush(interpreter, state)
     origins = interpreter.origins_of(eqn.invars, eqn)
-    in_avals = [v.aval for v in eqn.invars]
     length = state.pos.shape[0]
     if eqn.primitive.name == "scan":
         num_consts, num_carry = _scan_layout(eqn)
         consts = origins[:num_consts]
-        carry = [
-            _as_slot(o, a, length)
-            for o, a in zip(
-                origins[num_consts : num_consts + num_carry],
-                in_avals[num_consts : num_consts + num_carry],
-                strict=True,
-            )
-        ]
+        body = eqn.params["jaxpr"].jaxpr
+        carry = _carry_slots(
+            interpreter,
+            eqn.invars[num_consts : num_consts + num_carry],
+            origins[num_consts : num_consts + num_carry],
+            carried_rows(
+                body, body.invars[num_consts : num_consts + num_carry], body.outvars[:num_carry]
+            ),
+            length,
+        )
         xs = origins[num_consts + num_carry :]
         steps = int(eqn.params["length"])
         ys = [
@@ -151,14 +167,13 @@ def _taint_loop(
         num_body_consts = len(body.invars) - num_carry
         start = len(eqn.invars) - num_carry - num_body_consts
         consts = origins[start : start + num_body_consts]
-        carry = [
-            _as_slot(o, a, length)
-            for o, a in zip(
-                origins[start + num_body_consts :],
-                in_avals[start + num_body_consts :],
-                strict=True,
-            )
-        ]
+        carry = _carry_slots(
+            interpreter,
+            eqn.invars[start + num_body_consts :],
+            origins[start + num_body_consts :],
+            carried_rows(body, body.invars[num_body_consts:], body.outvars),
+            length,
+        )
         io = _IO("while", (len(consts), len(carry)), (*consts, *carry))
     depth = state.scope.loop_depth
     slot = 2 + depth
@@ -174,23 +189,38 @@ def _taint_loop(
         interpreter, inner, eqn, invals, updater=functools.partial(_advance, slot, by)
     )
     io = result.ctx.io
-    stacked: list[Any] = []
+    outs: list[Any] = []
     if isinstance(io, _IO) and io.role in ("scan", "while"):
         if io.role == "scan":
             _, carry, _, stacked = io.groups()
-            ys = [rows_origin(y) if isinstance(y, _Rows) else y for y in stacked]
-            io = _IO("out", (), (*carry, *ys))
+            outs = [*carry, *stacked]
         else:
-            _, carry = io.groups()
-            io = _IO("out", (), tuple(carry))
-        result = HandlerResult(result.ctx._replace(io=io), result.outvals)
+            _, outs = io.groups()
+        origins = [rows_origin(o) if isinstance(o, _Rows) else o for o in outs]
+        result = HandlerResult(
+            result.ctx._replace(io=_IO("out", (), tuple(origins))), result.outvals
+        )
     left = _left(interpreter, state, eqn, result)
-    # Each row of a stacked output keeps the origin of the iteration that made it.
-    stacked_vars = eqn.outvars[len(eqn.outvars) - len(stacked) :]
-    for var, y in zip(stacked_vars, stacked, strict=True):
-        if isinstance(y, _Rows):
-            interpreter.set_rows(var, y)
+    # Each row of a stacked output, or of a buffer the loop writes row by row,
+    # keeps the origin of the iteration that wrote it.
+    for var, out in zip(eqn.outvars[len(eqn.outvars) - len(outs) :], outs, strict=True):
+        if isinstance(out, _Rows):
+            interpreter.set_rows(var, out)
     return left
+
+
+def _carry_slots(
+    interpreter: Any, atoms: list[Any], origins: list[Any], by_rows: list[bool], length: int
+) -> list[Any]:
+    """The loop slots of carries: `_Rows` for a buffer the body writes row by
+    row (those it already has, or each row with the buffer's origin)."""
+    slots = []
+    for atom, origin, rows in zip(atoms, origins, by_rows, strict=True):
+        slot = _as_slot(origin, atom.aval, length)
+        if rows and isinstance(slot, _Origin):
+            slot = interpreter.rows_of(atom) or broadcast_rows(slot, atom.aval.shape[0])
+        slots.append(slot)
+    return slots
 
 
 def _taint_cond(interpreter: Any, state: _Taint, eqn: JaxprEqn, invals: list[Any]) -> HandlerResult:

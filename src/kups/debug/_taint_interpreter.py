@@ -34,7 +34,14 @@ from ._taint_origin import (
     _validated,
 )
 from ._taint_pieces import with_pieces, without_pieces
-from ._taint_rows import _Rows, written
+from ._taint_rows import (
+    _Rows,
+    broadcast_rows,
+    rows_origin,
+    with_rows,
+    without_rows,
+    written,
+)
 from ._taint_rules import _flush
 
 
@@ -147,11 +154,18 @@ class _TaintInterpreter(Interpreter):
             )
         io = ctx.io
         in_pieces: list[Any] = []
+        in_rows: list[Any] = []
         if io.role == "call":
-            # A call's inputs may have pieces (see `_taint_pieces`).
-            unpieced, in_pieces = without_pieces(io.origins)
+            # A call's inputs may have pieces (see `_taint_pieces`) and rows.
+            entries, in_rows = without_rows(io.origins)
+            unpieced, in_pieces = without_pieces(entries)
             io = _IO(io.role, io.counts, tuple(unpieced))
         origins, ctx = _enter(io, ctx, jaxpr, args, self.sites.kinds)
+        # A loop's buffer written row by row comes in with the origins of its rows.
+        rows = {v: o for v, o in zip(jaxpr.invars, origins, strict=True) if isinstance(o, _Rows)}
+        origins = [rows_origin(o) if isinstance(o, _Rows) else o for o in origins]
+        if len(in_rows) == len(jaxpr.invars):  # a body that takes the inputs one to one
+            rows.update((v, r) for v, r in zip(jaxpr.invars, in_rows, strict=True) if r is not None)
         frame: dict[Any, Any] = dict.fromkeys(jaxpr.constvars)
         frame.update(zip(jaxpr.invars, origins, strict=True))
         self.frames.append(frame)
@@ -160,11 +174,12 @@ class _TaintInterpreter(Interpreter):
             pieces = {v: p for v, p in zip(jaxpr.invars, in_pieces, strict=True) if p is not None}
         self.pieces.append(pieces)
         self.known.append({})
-        self.rows.append({})
+        self.rows.append(rows)
         self.pending.append(0)
         try:
             outs, ctx = super().interpret_jaxpr(jaxpr, consts, ctx._replace(io=None), args)
             ctx = _flush(self, ctx)
+            out_rows = [None if _is_literal(v) else rows.get(v) for v in jaxpr.outvars]  # pyright: ignore[reportArgumentType]
         finally:
             self.frames.pop()
             self.pieces.pop()
@@ -175,10 +190,12 @@ class _TaintInterpreter(Interpreter):
             None if _is_literal(v) else frame[v] if v in frame else _float_origin(v.aval, _EXTERNAL)
             for v in jaxpr.outvars
         ]
-        left = _leave(io, ctx, jaxpr, out_origins, outs)
+        left = _leave(io, ctx, jaxpr, out_origins, out_rows)
         if io.role == "call" and pieces:
             out_pieces = [None if _is_literal(v) else pieces.get(v) for v in jaxpr.outvars]  # pyright: ignore[reportArgumentType]
             left = _IO(left.role, left.counts, with_pieces(list(left.origins), out_pieces))
+        if io.role == "call" and any(r is not None for r in out_rows):
+            left = _IO(left.role, left.counts, with_rows(left.origins, out_rows))
         return outs, ctx._replace(io=left)
 
 
@@ -221,15 +238,26 @@ def _enter(
     return origins, state
 
 
-def _leave(io: _IO, state: _Taint, jaxpr: Jaxpr, origins: list[Any], outs: Any) -> _IO:
-    """The `_IO` that tells the handler the origins of `jaxpr`'s outputs."""
+def _carried(slot: Any, origin: Any, rows: Any, aval: Any, length: int) -> Any:
+    """The loop slot a carry leaves the body with: `_Rows` if it came in with
+    rows (those the body left it, or each row with its origin)."""
+    out = _as_slot(origin, aval, length)
+    if not isinstance(slot, _Rows):
+        return out
+    return rows if rows is not None else broadcast_rows(out, slot.w.shape[0])
+
+
+def _leave(io: _IO, state: _Taint, jaxpr: Jaxpr, origins: list[Any], rows: list[Any]) -> _IO:
+    """The `_IO` that tells the handler the origins of `jaxpr`'s outputs (and the
+    rows of the buffers a loop writes row by row)."""
     avals = [v.aval for v in jaxpr.outvars]
     if io.role == "scan":
         consts, carry, xs, ys = io.groups()
         num_carry = len(carry)
         length = state.pos.shape[0]
         carry_out = [
-            _as_slot(o, a, length) for o, a in zip(origins[:num_carry], avals, strict=False)
+            _carried(slot, o, r, a, length)
+            for slot, o, r, a in zip(carry, origins, rows, avals, strict=False)
         ]
         # The iteration's index: the loop's slot in `pos` (see `_taint_loop`).
         index = state.pos[1 + state.scope.loop_depth]
@@ -243,7 +271,10 @@ def _leave(io: _IO, state: _Taint, jaxpr: Jaxpr, origins: list[Any], outs: Any) 
     if io.role == "while":
         consts, carry = io.groups()
         length = state.pos.shape[0]
-        carry_out = [_as_slot(o, a, length) for o, a in zip(origins, avals, strict=True)]
+        carry_out = [
+            _carried(slot, o, r, a, length)
+            for slot, o, r, a in zip(carry, origins, rows, avals, strict=True)
+        ]
         return _IO("while", io.counts, (*consts, *carry_out))
     if io.role == "cond":
         length = state.pos.shape[0]

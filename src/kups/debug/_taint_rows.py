@@ -1,4 +1,5 @@
-"""`report="reaching"`: the origin of each row of a scan's stacked outputs.
+"""`report="reaching"`: the origin of each row of a scan's stacked outputs and
+of the buffers loops write row by row.
 
 Iteration `i` of a scan makes row `i` of each `ys`. Its origin is kept in a row
 of a carried buffer (`_Rows`: `w` and `info` per row) instead of being merged
@@ -6,10 +7,16 @@ into one origin per array, so that a slice of the stacked output (`ys[k:]`,
 `ys[-1]`, `ys[idx]`) takes the origins of only the rows it keeps whose part of
 the result is not finite. Any other equation on the stacked output uses its
 origin, the earliest of the rows'.
+
+A loop carry that the body only overwrites by whole rows (`carried_rows`, read
+from the body's jaxpr before it runs) carries `_Rows` the same way: each write
+gives the rows it covers the update's origin (`rows_made`), and the rows cross
+`jit` and custom-derivative calls in the context (`with_rows`).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -17,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import JaxprEqn
 
-from ._taint_origin import _FINE, _not_finite, _Origin
+from ._taint_origin import _FINE, _not_finite, _Origin, _shape
 from ._taint_pieces import positions, window
 
 # Scans longer than this merge their rows' origins into one as they run (the
@@ -89,3 +96,164 @@ def origin_of_rows(
     w = jnp.where(bad & taken, rows.w[safe], _FINE)
     first = jnp.argmin(w)
     return _Origin(w[first], rows.info[safe[first]], True)
+
+
+# Equations a row-written buffer passes through unchanged, row for row.
+_PASSED = frozenset({"copy", "copy_p", "convert_element_type"})
+
+# Selections between whole buffers by one predicate: (predicate, cases) with
+# `lax.select_n`'s order of cases (equinox's `select_if_vmap(p, x, y)` is `x`
+# where `p`).
+_SELECTS = frozenset({"select_n", "select_if_vmap"})
+
+
+def _written_window(eqn: JaxprEqn, shape: tuple[int, ...]) -> tuple[Any, int, bool] | None:
+    """For an overwrite of whole rows of a buffer of `shape` (`dynamic_update_slice`,
+    a one-window `scatter`, equinox's `maybe_set` at one index): the position of
+    its start index among the inputs (a scalar), the number of rows written, and
+    whether an update out of range is dropped (else its start is clamped)."""
+    name = eqn.primitive.name
+    if name == "dynamic_update_slice":
+        update = _shape(eqn.invars[1])
+        if tuple(update[1:]) != shape[1:]:
+            return None
+        return 2, update[0], False
+    if name == "scatter":
+        numbers = eqn.params["dimension_numbers"]
+        update = _shape(eqn.invars[2])
+        if (
+            numbers.operand_batching_dims
+            or tuple(numbers.scatter_dims_to_operand_dims) != (0,)
+            or int(np.prod(_shape(eqn.invars[1]))) != 1
+        ):
+            return None
+        inserted = tuple(numbers.inserted_window_dims)
+        window = [1] if inserted == (0,) else [] if inserted == () else None
+        if window is None:
+            return None
+        window.extend(update[d] for d in numbers.update_window_dims)
+        if len(window) != len(shape) or tuple(window[1:]) != shape[1:]:
+            return None
+        return 1, window[0], str(eqn.params["mode"]).endswith("FILL_OR_DROP")
+    if name == "maybe_set":
+        leaves = eqn.invars[3:]
+        if eqn.params.get("i_static") is not None or len(leaves) != 1 or _shape(leaves[0]):
+            return None
+        return 3, 1, True
+    return None
+
+
+def carried_rows(jaxpr: Any, ins: list[Any], outs: list[Any]) -> list[bool]:
+    """Which loop carries (body input `ins[k]`, output `outs[k]`) are buffers the
+    body writes row by row: the output is the input with whole rows overwritten
+    (`_written_window`), possibly copied, cast or selected between such
+    buffers. Only those keep the origin of each row from iteration to iteration."""
+    producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+    def writes(var: Any, target: Any, depth: int) -> bool | None:
+        """Whether `var` is `target` with rows written (`None`: not a row
+        write of it; `False`: `target` itself)."""
+        if var is target:
+            return False
+        eqn = producer.get(var)
+        if eqn is None or depth > 64:
+            return None
+        name = eqn.primitive.name
+        if name in _PASSED and len(eqn.invars) == 1:
+            return writes(eqn.invars[0], target, depth + 1)
+        if name in _SELECTS and not _shape(eqn.invars[0]):
+            found = [writes(v, target, depth + 1) for v in eqn.invars[1:]]
+            return None if any(f is None for f in found) else any(found)
+        operand = 1 if name == "maybe_set" else 0
+        if _written_window(eqn, _shape(var)) is None:
+            return None
+        return writes(eqn.invars[operand], target, depth + 1) is not None or None
+
+    rows = []
+    for var_in, var_out in zip(ins, outs, strict=True):
+        shape = _shape(var_in)
+        ok = bool(shape) and 0 < shape[0] <= MAX_ROWS
+        rows.append(ok and bool(writes(var_out, var_in, 0)))
+    return rows
+
+
+def broadcast_rows(origin: _Origin, length: int) -> _Rows:
+    """Rows that each have `origin` (a loop slot's: traced)."""
+    w = jnp.broadcast_to(jnp.asarray(origin.w, jnp.int32), (length,))
+    info = jnp.broadcast_to(origin.info, (length, np.shape(origin.info)[0]))
+    return _Rows(w, info)
+
+
+def rows_made(eqn: JaxprEqn, invals: list[Any], update: Any, rows: list[Any]) -> _Rows | None:
+    """The rows of the output of `eqn` on buffers whose inputs have `rows`:
+    passed on, selected, or written (rows of the update get `update`, its
+    origin as a loop slot's). `None` where the equation ends them."""
+    name = eqn.primitive.name
+    if name in _PASSED and len(rows) == 1:
+        return rows[0] if rows[0] is not None else None
+    if name in _SELECTS:
+        cases = rows[1:]
+        if any(r is None for r in cases) or np.shape(invals[0]):
+            return None
+        if name == "select_if_vmap":
+            cases = cases[::-1]
+        which = invals[0]
+        return _Rows(
+            jax.lax.select_n(which, *(r.w for r in cases)),
+            jax.lax.select_n(which, *(r.info for r in cases)),
+        )
+    operand = 1 if name == "maybe_set" else 0
+    own = rows[operand] if operand < len(rows) else None
+    found = _written_window(eqn, tuple(np.shape(invals[operand])))
+    if own is None or found is None:
+        return None
+    at, length, drops = found
+    size = np.shape(invals[operand])[0]
+    start = jnp.asarray(invals[at], jnp.int32).reshape(())
+    if name == "maybe_set":
+        start = jnp.where(start < 0, start + size, start)  # `xs.at[i]` counts from the end
+    inside = (start >= 0) & (start <= size - length)
+    new = _Rows(
+        jax.lax.dynamic_update_slice(
+            own.w, jnp.broadcast_to(jnp.asarray(update.w, jnp.int32), (length,)), (start,)
+        ),
+        jax.lax.dynamic_update_slice(
+            own.info,
+            jnp.broadcast_to(update.info, (length, np.shape(own.info)[1])),
+            (start, np.int32(0)),
+        ),
+    )
+    # Where the update is dropped (out of range, or `maybe_set`'s predicate is
+    # false), the rows stay.
+    kept = [jnp.logical_not(inside)] if drops else []
+    if name == "maybe_set":
+        kept.append(jnp.logical_not(jnp.asarray(invals[0]).reshape(())))
+    if not kept:
+        return new
+    keep = functools.reduce(jnp.logical_or, kept)
+    return _Rows(jnp.where(keep, own.w, new.w), jnp.where(keep, own.info, new.info))
+
+
+class _Rowed:
+    """An entry of a call's `_IO` (an origin, maybe with pieces) with the rows of
+    its value, as they cross into a call's body and back out of it."""
+
+    def __init__(self, entry: Any, rows: _Rows) -> None:
+        self.entry = entry
+        self.rows = rows
+
+
+jax.tree_util.register_pytree_node(
+    _Rowed, lambda r: ((r.entry, r.rows), None), lambda _, children: _Rowed(*children)
+)
+
+
+def with_rows(entries: Any, rows: list[Any]) -> tuple[Any, ...]:
+    """`entries`, each with its value's rows if it has some."""
+    return tuple(e if r is None else _Rowed(e, r) for e, r in zip(entries, rows, strict=True))
+
+
+def without_rows(entries: Any) -> tuple[list[Any], list[Any]]:
+    """The entries and the rows of what `with_rows` made."""
+    rows = [e.rows if isinstance(e, _Rowed) else None for e in entries]
+    return [e.entry if isinstance(e, _Rowed) else e for e in entries], rows

@@ -31,6 +31,7 @@ from ._taint_origin import (
     _EXTERNAL,
     _FINE,
     _FINITE,
+    _as_slot,
     _concrete_finite,
     _earliest,
     _finite_and_nan,
@@ -48,7 +49,7 @@ from ._taint_pieces import (
     origin_of_slice,
     pieces_made,
 )
-from ._taint_rows import origin_of_rows
+from ._taint_rows import origin_of_rows, rows_made
 from ._taint_tables import (
     _COLLECTIVES,
     _ELEMENTWISE,
@@ -215,6 +216,14 @@ def _taint_equation(
         made = _accumulated_pieces(sites, state, eqn, invals, pieces[0], outvals[0], pending, site)
     if made is not None:
         interpreter.set_pieces(eqn.outvars[0], made)
+    in_rows = [interpreter.rows_of(v) for v in eqn.invars]
+    if any(r is not None for r in in_rows) and len(eqn.outvars) == 1:
+        # A buffer written row by row (or a scan's stacked output) keeps its rows.
+        at = _OVERWRITES.get(eqn.primitive.name, (0, 0))[1]
+        update = _as_slot(origins[at], eqn.invars[at].aval, state.pos.shape[0])
+        rows = rows_made(eqn, invals, update, in_rows)
+        if rows is not None:
+            interpreter.set_rows(eqn.outvars[0], rows)
     return HandlerResult(state, outvals)
 
 
