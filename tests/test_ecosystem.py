@@ -432,6 +432,31 @@ def test_diffrax_euler_find_nans_names_the_vector_field(dfx: ModuleType, jit: bo
     assert report.iteration == (6,)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_diffrax_saved_rows_find_nans_names_each_rows_step(dfx: ModuleType, jit: bool) -> None:
+    # Saved at 11 times, the rows after t = 0.5 are NaN. diffrax fills its
+    # buffer with Inf and writes one row per save (equinox's maybe_set in a
+    # checkpointed loop inside custom derivatives): each row keeps the origin
+    # of its write, so the finite rows report nothing and the others name the
+    # vector field at the step that made their NaN.
+    def solve(y0: jax.Array) -> jax.Array:
+        term = dfx.ODETerm(sqrt_decay)
+        saveat = dfx.SaveAt(ts=jnp.linspace(0.0, 1.0, 11))
+        return dfx.diffeqsolve(term, dfx.Euler(), t0=0.0, t1=1.0, dt0=0.1, y0=y0, saveat=saveat).ys
+
+    y0 = jnp.ones(2)
+    wrap = jax.jit if jit else (lambda f: f)
+    ys, report = wrap(find_nans(solve))(y0)
+    assert_trees_equal(ys, jax.jit(solve)(y0), "find_nans outputs")
+    assert bool(jnp.all(jnp.isfinite(ys[:7]))) and bool(jnp.all(jnp.isnan(ys[7:])))
+    for fn in (solve, lambda y0: solve(y0)[-1], lambda y0: solve(y0)[5:]):
+        _, report = wrap(find_nans(fn))(y0)
+        assert (report.found, report.kind, report.primitive) == (True, "nan", "sqrt")
+        assert report.source == f"test_ecosystem.py:{SQRT_DECAY_LINE}"
+        assert report.iteration == (6,)
+    assert not wrap(find_nans(lambda y0: solve(y0)[:7]))(y0)[1].found
+
+
 def test_diffrax_adaptive_find_nans_first_nan(dfx: ModuleType) -> None:
     # The controller rejects every step that makes a NaN, so none reaches the
     # output (the solve stops at max_steps with a finite value, throw=False):

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import JaxprEqn
+from jax.extend.core import JaxprEqn, Literal
 
 from ._taint_origin import _FINE, _not_finite, _Origin, _shape
 from ._taint_pieces import positions, window
@@ -143,37 +143,96 @@ def _written_window(eqn: JaxprEqn, shape: tuple[int, ...]) -> tuple[Any, int, bo
     return None
 
 
-def carried_rows(jaxpr: Any, ins: list[Any], outs: list[Any]) -> list[bool]:
-    """Which loop carries (body input `ins[k]`, output `outs[k]`) are buffers the
-    body writes row by row: the output is the input with whole rows overwritten
-    (`_written_window`), possibly copied, cast or selected between such
-    buffers. Only those keep the origin of each row from iteration to iteration."""
-    producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+# Calls whose sub-jaxpr takes the equation's inputs one to one, by parameter.
+_CALL_JAXPRS = ("jaxpr", "call_jaxpr")
 
-    def writes(var: Any, target: Any, depth: int) -> bool | None:
-        """Whether `var` is `target` with rows written (`None`: not a row
-        write of it; `False`: `target` itself)."""
-        if var is target:
-            return False
-        eqn = producer.get(var)
-        if eqn is None or depth > 64:
+
+def _open(jaxpr: Any) -> Any:
+    return jaxpr.jaxpr if hasattr(jaxpr, "consts") else jaxpr
+
+
+class _Roots:
+    """Where the values of a jaxpr come from, as buffers written row by row: for
+    a variable, the input of the jaxpr it is (`(index, wrote)`: `wrote` if whole
+    rows of it were overwritten on the way), or `None`. Sees through copies,
+    casts, selections of whole buffers, overwrites of rows, calls, and the
+    carries of loops that are such buffers themselves."""
+
+    def __init__(self, jaxpr: Any) -> None:
+        self.jaxpr = jaxpr
+        self.inputs = {v: k for k, v in enumerate(jaxpr.invars)}
+        self.producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+        self.memo: dict[Any, Any] = {}
+
+    def of(self, var: Any, depth: int = 0) -> tuple[int, bool] | None:
+        if isinstance(var, Literal) or depth > 256:
+            return None
+        if var in self.inputs:
+            return self.inputs[var], False
+        if var not in self.memo:
+            self.memo[var] = self._of(var, depth)
+        return self.memo[var]
+
+    def _of(self, var: Any, depth: int) -> tuple[int, bool] | None:
+        eqn = self.producer.get(var)
+        if eqn is None:
             return None
         name = eqn.primitive.name
         if name in _PASSED and len(eqn.invars) == 1:
-            return writes(eqn.invars[0], target, depth + 1)
-        if name in _SELECTS and not _shape(eqn.invars[0]):
-            found = [writes(v, target, depth + 1) for v in eqn.invars[1:]]
-            return None if any(f is None for f in found) else any(found)
-        operand = 1 if name == "maybe_set" else 0
-        if _written_window(eqn, _shape(var)) is None:
+            return self.of(eqn.invars[0], depth + 1)
+        if name in _SELECTS:
+            if _shape(eqn.invars[0]):
+                return None
+            found = [self.of(v, depth + 1) for v in eqn.invars[1:]]
+            if any(f is None for f in found) or len({f[0] for f in found if f}) != 1:
+                return None
+            return found[0][0], any(f[1] for f in found if f)  # pyright: ignore[reportOptionalSubscript]
+        if _written_window(eqn, _shape(var)) is not None:
+            found = self.of(eqn.invars[1 if name == "maybe_set" else 0], depth + 1)
+            return None if found is None else (found[0], True)
+        inner = _through(eqn, eqn.outvars.index(var))
+        if inner is None:
             return None
-        return writes(eqn.invars[operand], target, depth + 1) is not None or None
+        outer, wrote = inner
+        found = self.of(eqn.invars[outer], depth + 1)
+        return None if found is None else (found[0], found[1] or wrote)
 
+
+def _through(eqn: JaxprEqn, j: int) -> tuple[int, bool] | None:
+    """For output `j` of a call, `while` or `scan`: the input of the equation
+    it is, as a buffer written row by row (`(index, wrote)`), or `None`."""
+    name = eqn.primitive.name
+    if name == "while":
+        body = _open(eqn.params["body_jaxpr"])
+        start = eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]
+        found = carried_rows(body, body.invars[eqn.params["body_nconsts"] :], body.outvars)
+        return (start + j, True) if found[j] else None
+    if name == "scan":
+        body = _open(eqn.params["jaxpr"])
+        consts, carries = eqn.params["num_consts"], eqn.params["num_carry"]
+        if j >= carries:
+            return None
+        found = carried_rows(body, body.invars[consts : consts + carries], body.outvars[:carries])
+        return (consts + j, True) if found[j] else None
+    for key in _CALL_JAXPRS:
+        sub = eqn.params.get(key)
+        if sub is not None and len(_open(sub).invars) == len(eqn.invars):
+            return _Roots(_open(sub)).of(_open(sub).outvars[j])
+    return None
+
+
+def carried_rows(jaxpr: Any, ins: list[Any], outs: list[Any]) -> list[bool]:
+    """Which loop carries (body input `ins[k]`, output `outs[k]`) are buffers the
+    body writes row by row: the output is the input with whole rows overwritten
+    (`_written_window`), possibly copied, cast, selected between such buffers,
+    or passed through calls and inner loops that do the same. Only those keep
+    the origin of each row from iteration to iteration."""
+    roots = _Roots(jaxpr)
     rows = []
     for var_in, var_out in zip(ins, outs, strict=True):
         shape = _shape(var_in)
-        ok = bool(shape) and 0 < shape[0] <= MAX_ROWS
-        rows.append(ok and bool(writes(var_out, var_in, 0)))
+        found = roots.of(var_out) if shape and 0 < shape[0] <= MAX_ROWS else None
+        rows.append(found is not None and jaxpr.invars[found[0]] is var_in and found[1])
     return rows
 
 
