@@ -1055,6 +1055,18 @@ _ROW_WRITERS = {
     "dynamic_update_slice": lambda x: lax.fori_loop(
         0, 2, lambda i, buf: lax.dynamic_update_slice(buf, _nan_row(x)[None], (i, 0)), _inf_rows()
     ),
+    "a jit around the write": lambda x: lax.fori_loop(
+        0, 2, lambda i, buf: jax.jit(_row_body(x))(i, buf), _inf_rows()
+    ),
+    "an inner loop writes the row": lambda x: lax.fori_loop(
+        0, 2, lambda i, buf: lax.fori_loop(i, i + 1, _row_body(x), buf), _inf_rows()
+    ),
+    "a cond around the write": lambda x: lax.fori_loop(
+        0,
+        4,
+        lambda i, buf: lax.cond(i < 2, _row_body(x), lambda i, buf: buf, i, buf),
+        _inf_rows(),
+    ),
     "equinox checkpointed while_loop": lambda x: _checkpointed(x, None),
     "equinox buffers (maybe_set)": lambda x: _checkpointed(x, lambda c: c[1]),
 }
@@ -1066,13 +1078,26 @@ def test_a_buffer_a_loop_writes_row_by_row_keeps_each_rows_origin(writer, jit):
     buffer = _ROW_WRITERS[writer]
     wrap = jax.jit if jit else (lambda f: f)
     x = jnp.ones(2)
+    inner = [0] if "inner loop" in writer else []  # the inner loop's one iteration
     # The rows written: the NaN of the first write, not the older Inf fill.
-    expect(report_of(wrap(lambda x: buffer(x)[:2]), x), "sqrt", "written-nan", iterations=[0])
-    expect(report_of(wrap(lambda x: buffer(x)[1]), x), "sqrt", "written-nan", iterations=[1])
+    first = report_of(wrap(lambda x: buffer(x)[:2]), x)
+    expect(first, "sqrt", "written-nan", iterations=[0, *inner])
+    second = report_of(wrap(lambda x: buffer(x)[1]), x)
+    expect(second, "sqrt", "written-nan", iterations=[1, *inner])
     # The rows left: the fill; the whole buffer: the fill, which came first.
     for keeps_the_fill in (lambda x: buffer(x)[2:], buffer):
         report = report_of(wrap(keeps_the_fill), x)
         expect(report, "broadcast_in_dim", "buffer-fill", kind="inf")
+
+
+def test_a_buffer_a_loop_also_rescales_keeps_one_origin():
+    # Not only written by rows: every row of the carry changes at each
+    # iteration, so the buffer keeps one origin, its fill's (docs/effects/debug.md).
+    def f(x):
+        body = lambda i, buf: _row_body(x)(i, buf * 1.0)  # noqa: E731
+        return lax.fori_loop(0, 2, body, _inf_rows())[:2]
+
+    expect(report_of(f, jnp.ones(2)), "broadcast_in_dim", "buffer-fill", kind="inf")
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

@@ -51,6 +51,7 @@ from ._taint_rows import (
     _Rows,
     broadcast_rows,
     carried_rows,
+    cond_rows,
     no_rows,
     rows_origin,
     with_rows,
@@ -228,7 +229,10 @@ def _taint_cond(interpreter: Any, state: _Taint, eqn: JaxprEqn, invals: list[Any
         return default_cond_handler(interpreter, state, eqn, invals)
     state = _flush(interpreter, state)
     origins = interpreter.origins_of(eqn.invars[1:], eqn)
-    inner = state._replace(io=_IO("cond", (), tuple(origins)))
+    rows = [interpreter.rows_of(v) for v in eqn.invars[1:]]
+    # A buffer written row by row in the branches keeps its rows (see `_leave`).
+    rowed = cond_rows(eqn, [r is not None for r in rows]) if any(rows) else ()
+    inner = state._replace(io=_IO("cond", rowed, with_rows(origins, rows)))
     return _left(interpreter, state, eqn, default_cond_handler(interpreter, inner, eqn, invals))
 
 

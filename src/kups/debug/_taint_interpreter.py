@@ -30,6 +30,7 @@ from ._taint_origin import (
     _float_origin,
     _is_float_aval,
     _merged_slot,
+    _shape,
     _Taint,
     _validated,
 )
@@ -155,8 +156,9 @@ class _TaintInterpreter(Interpreter):
         io = ctx.io
         in_pieces: list[Any] = []
         in_rows: list[Any] = []
-        if io.role == "call":
-            # A call's inputs may have pieces (see `_taint_pieces`) and rows.
+        if io.role in ("call", "cond"):
+            # A call's inputs may have pieces (see `_taint_pieces`) and rows, a
+            # cond's operands rows.
             entries, in_rows = without_rows(io.origins)
             unpieced, in_pieces = without_pieces(entries)
             io = _IO(io.role, io.counts, tuple(unpieced))
@@ -277,8 +279,13 @@ def _leave(io: _IO, state: _Taint, jaxpr: Jaxpr, origins: list[Any], rows: list[
         ]
         return _IO("while", io.counts, (*consts, *carry_out))
     if io.role == "cond":
+        # Every branch gives the same structure: the outputs `io.counts` names
+        # (`cond_rows`) leave with rows.
         length = state.pos.shape[0]
-        return _IO(
-            "out", (), tuple(_as_slot(o, a, length) for o, a in zip(origins, avals, strict=True))
-        )
+        slots = [_as_slot(o, a, length) for o, a in zip(origins, avals, strict=True)]
+        out_rows = [
+            (rows[j] or broadcast_rows(slots[j], _shape(v)[0])) if j in io.counts else None
+            for j, v in enumerate(jaxpr.outvars)
+        ]
+        return _IO("out", (), with_rows(slots, out_rows))
     return _IO("out", (), tuple(origins))

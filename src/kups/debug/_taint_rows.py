@@ -214,11 +214,28 @@ def _through(eqn: JaxprEqn, j: int) -> tuple[int, bool] | None:
             return None
         found = carried_rows(body, body.invars[consts : consts + carries], body.outvars[:carries])
         return (consts + j, True) if found[j] else None
+    if name == "cond":
+        found = [_Roots(_open(b)).of(_open(b).outvars[j]) for b in eqn.params["branches"]]
+        if any(f is None for f in found) or len({f[0] for f in found if f}) != 1:
+            return None
+        return 1 + found[0][0], any(f[1] for f in found if f)  # pyright: ignore[reportOptionalSubscript]
     for key in _CALL_JAXPRS:
         sub = eqn.params.get(key)
         if sub is not None and len(_open(sub).invars) == len(eqn.invars):
             return _Roots(_open(sub)).of(_open(sub).outvars[j])
     return None
+
+
+def cond_rows(eqn: JaxprEqn, has_rows: list[bool]) -> tuple[int, ...]:
+    """The outputs of a `cond` that are its operands' buffers written row by row
+    in every branch (or passed on), where the operand (`has_rows[k]` for
+    `eqn.invars[1 + k]`) has rows: they leave every branch with rows."""
+    rowed = []
+    for j in range(len(eqn.outvars)):
+        found = _through(eqn, j)
+        if found is not None and has_rows[found[0] - 1]:
+            rowed.append(j)
+    return tuple(rowed)
 
 
 def carried_rows(jaxpr: Any, ins: list[Any], outs: list[Any]) -> list[bool]:
