@@ -49,6 +49,7 @@ from ._taint_pieces import with_pieces, without_pieces
 from ._taint_rows import (
     MAX_ROWS,
     _Rows,
+    _RowSlot,
     broadcast_rows,
     carried_rows,
     cond_rows,
@@ -197,7 +198,12 @@ def _taint_loop(
             outs = [*carry, *stacked]
         else:
             _, outs = io.groups()
-        origins = [rows_origin(o) if isinstance(o, _Rows) else o for o in outs]
+        origins = [
+            rows_origin(o.rows if isinstance(o, _RowSlot) else o)
+            if isinstance(o, (_Rows, _RowSlot))
+            else o
+            for o in outs
+        ]
         result = HandlerResult(
             result.ctx._replace(io=_IO("out", (), tuple(origins))), result.outvals
         )
@@ -205,8 +211,8 @@ def _taint_loop(
     # Each row of a stacked output, or of a buffer the loop writes row by row,
     # keeps the origin of the iteration that wrote it.
     for var, out in zip(eqn.outvars[len(eqn.outvars) - len(outs) :], outs, strict=True):
-        if isinstance(out, _Rows):
-            interpreter.set_rows(var, out)
+        if isinstance(out, (_Rows, _RowSlot)):
+            interpreter.set_rows(var, out.rows if isinstance(out, _RowSlot) else out)
     return left
 
 
@@ -219,7 +225,8 @@ def _carry_slots(
     for atom, origin, rows in zip(atoms, origins, by_rows, strict=True):
         slot = _as_slot(origin, atom.aval, length)
         if rows and isinstance(slot, _Origin):
-            slot = interpreter.rows_of(atom) or broadcast_rows(slot, atom.aval.shape[0])
+            own = interpreter.rows_of(atom) or broadcast_rows(slot, atom.aval.shape[0])
+            slot = _RowSlot(slot, own)
         slots.append(slot)
     return slots
 

@@ -37,8 +37,8 @@ from ._taint_origin import (
 from ._taint_pieces import with_pieces, without_pieces
 from ._taint_rows import (
     _Rows,
+    _RowSlot,
     broadcast_rows,
-    rows_origin,
     with_rows,
     without_rows,
     written,
@@ -164,8 +164,10 @@ class _TaintInterpreter(Interpreter):
             io = _IO(io.role, io.counts, tuple(unpieced))
         origins, ctx = _enter(io, ctx, jaxpr, args, self.sites.kinds)
         # A loop's buffer written row by row comes in with the origins of its rows.
-        rows = {v: o for v, o in zip(jaxpr.invars, origins, strict=True) if isinstance(o, _Rows)}
-        origins = [rows_origin(o) if isinstance(o, _Rows) else o for o in origins]
+        rows = {
+            v: o.rows for v, o in zip(jaxpr.invars, origins, strict=True) if isinstance(o, _RowSlot)
+        }
+        origins = [o.origin if isinstance(o, _RowSlot) else o for o in origins]
         if len(in_rows) == len(jaxpr.invars):  # a body that takes the inputs one to one
             rows.update((v, r) for v, r in zip(jaxpr.invars, in_rows, strict=True) if r is not None)
         frame: dict[Any, Any] = dict.fromkeys(jaxpr.constvars)
@@ -244,9 +246,9 @@ def _carried(slot: Any, origin: Any, rows: Any, aval: Any, length: int) -> Any:
     """The loop slot a carry leaves the body with: `_Rows` if it came in with
     rows (those the body left it, or each row with its origin)."""
     out = _as_slot(origin, aval, length)
-    if not isinstance(slot, _Rows):
+    if not isinstance(slot, _RowSlot):
         return out
-    return rows if rows is not None else broadcast_rows(out, slot.w.shape[0])
+    return _RowSlot(out, rows if rows is not None else broadcast_rows(out, slot.rows.w.shape[0]))
 
 
 def _leave(io: _IO, state: _Taint, jaxpr: Jaxpr, origins: list[Any], rows: list[Any]) -> _IO:

@@ -289,25 +289,39 @@ def rows_made(eqn: JaxprEqn, invals: list[Any], update: Any, rows: list[Any]) ->
     if name == "maybe_set":
         start = jnp.where(start < 0, start + size, start)  # `xs.at[i]` counts from the end
     inside = (start >= 0) & (start <= size - length)
-    new = _Rows(
-        jax.lax.dynamic_update_slice(
-            own.w, jnp.broadcast_to(jnp.asarray(update.w, jnp.int32), (length,)), (start,)
-        ),
-        jax.lax.dynamic_update_slice(
-            own.info,
-            jnp.broadcast_to(update.info, (length, np.shape(own.info)[1])),
-            (start, np.int32(0)),
-        ),
-    )
+    width = np.shape(own.info)[1]
+    w = jnp.broadcast_to(jnp.asarray(update.w, jnp.int32), (length,))
+    info = jnp.broadcast_to(update.info, (length, width))
     # Where the update is dropped (out of range, or `maybe_set`'s predicate is
-    # false), the rows stay.
+    # false), the rows stay: the window is written back as it was (clamped into
+    # range, as `dynamic_update_slice` clamps), touching only its rows.
     kept = [jnp.logical_not(inside)] if drops else []
     if name == "maybe_set":
         kept.append(jnp.logical_not(jnp.asarray(invals[0]).reshape(())))
-    if not kept:
-        return new
-    keep = functools.reduce(jnp.logical_or, kept)
-    return _Rows(jnp.where(keep, own.w, new.w), jnp.where(keep, own.info, new.info))
+    if kept:
+        keep = functools.reduce(jnp.logical_or, kept)
+        w = jnp.where(keep, jax.lax.dynamic_slice(own.w, (start,), (length,)), w)
+        old = jax.lax.dynamic_slice(own.info, (start, np.int32(0)), (length, width))
+        info = jnp.where(keep, old, info)
+    return _Rows(
+        jax.lax.dynamic_update_slice(own.w, w, (start,)),
+        jax.lax.dynamic_update_slice(own.info, info, (start, np.int32(0))),
+    )
+
+
+class _RowSlot:
+    """The loop slot of a carry written row by row: its origin (as any carry's)
+    and its rows. The origin stays the array's inside the loop; the rows give
+    the exact one once the loop is done (`rows_origin`)."""
+
+    def __init__(self, origin: Any, rows: _Rows) -> None:
+        self.origin = origin
+        self.rows = rows
+
+
+jax.tree_util.register_pytree_node(
+    _RowSlot, lambda r: ((r.origin, r.rows), None), lambda _, children: _RowSlot(*children)
+)
 
 
 class _Rowed:
