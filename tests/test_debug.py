@@ -1090,6 +1090,36 @@ def test_a_buffer_a_loop_writes_row_by_row_keeps_each_rows_origin(writer, jit):
         expect(report, "broadcast_in_dim", "buffer-fill", kind="inf")
 
 
+_RUN_TIME_WRITES = {
+    "scatter (.at[i].set)": lambda buf, row, i: buf.at[i].set(row),
+    "dynamic_update_slice": lambda buf, row, i: lax.dynamic_update_slice(buf, row[None], (i, 0)),
+    "scatter in clip mode": lambda buf, row, i: buf.at[i].set(row, mode="clip"),
+}
+
+
+@pytest.mark.parametrize("write", sorted(_RUN_TIME_WRITES))
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_row_written_at_a_run_time_index_keeps_its_origin(write, jit):
+    # An Inf buffer with a NaN row written at index i (traced): reading row i
+    # names the NaN, another row the Inf; an index out of range drops the write
+    # (or clips it to the last row).
+    def written(x, i):
+        return _RUN_TIME_WRITES[write](_inf_rows() * x[0], _nan_row(x), i)
+
+    wrap = jax.jit if jit else (lambda f: f)
+    x = jnp.ones(2)
+    at = wrap(lambda x, i: written(x, i)[i])
+    expect(report_of(at, x, jnp.int32(1)), "sqrt", "written-nan")
+    below = wrap(lambda x, i: written(x, i)[i + 1])
+    expect(report_of(below, x, jnp.int32(1)), "broadcast_in_dim", "buffer-fill", kind="inf")
+    last = wrap(lambda x, i: written(x, i)[3])
+    outside = report_of(last, x, jnp.int32(9))
+    if write == "scatter (.at[i].set)":  # dropped: the last row is the buffer's
+        expect(outside, "broadcast_in_dim", "buffer-fill", kind="inf")
+    else:  # clamped to the last row
+        expect(outside, "sqrt", "written-nan")
+
+
 def test_a_buffer_a_loop_also_rescales_keeps_one_origin():
     # Not only written by rows: every row of the carry changes at each
     # iteration, so the buffer keeps one origin, its fill's (docs/effects/debug.md).

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.extend.core import JaxprEqn, Literal
 
 from ._taint_origin import _FINE, _not_finite, _Origin, _shape
@@ -236,6 +237,16 @@ def cond_rows(eqn: JaxprEqn, has_rows: list[bool]) -> tuple[int, ...]:
         if found is not None and has_rows[found[0] - 1]:
             rowed.append(j)
     return tuple(rowed)
+
+
+def row_write_at_run_time(eqn: JaxprEqn, invals: list[Any]) -> bool:
+    """Whether `eqn` overwrites whole rows of a buffer of at most `MAX_ROWS` rows
+    at an index computed at run time (at one known while tracing, the buffer's
+    pieces are exact already)."""
+    operand = 1 if eqn.primitive.name == "maybe_set" else 0
+    shape = np.shape(invals[operand])
+    found = _written_window(eqn, shape) if shape and shape[0] <= MAX_ROWS else None
+    return found is not None and isinstance(invals[found[0]], Tracer)
 
 
 def carried_rows(jaxpr: Any, ins: list[Any], outs: list[Any]) -> list[bool]:

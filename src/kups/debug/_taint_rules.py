@@ -49,7 +49,7 @@ from ._taint_pieces import (
     origin_of_slice,
     pieces_made,
 )
-from ._taint_rows import origin_of_rows, rows_made
+from ._taint_rows import broadcast_rows, origin_of_rows, row_write_at_run_time, rows_made
 from ._taint_tables import (
     _COLLECTIVES,
     _ELEMENTWISE,
@@ -217,10 +217,22 @@ def _taint_equation(
     if made is not None:
         interpreter.set_pieces(eqn.outvars[0], made)
     in_rows = [interpreter.rows_of(v) for v in eqn.invars]
+    length = state.pos.shape[0]
+    of, at = _OVERWRITES.get(eqn.primitive.name, (0, 0))
+    if (
+        eqn.primitive.name in _OVERWRITES
+        and in_rows[of] is None
+        and all(isinstance(origins[i], _Origin) for i in (of, at))
+        and row_write_at_run_time(eqn, invals)
+    ):
+        # Whole rows written at an index computed at run time: the written rows
+        # get the update's origin, the others keep the buffer's.
+        in_rows[of] = broadcast_rows(
+            _as_slot(origins[of], eqn.invars[of].aval, length), np.shape(invals[of])[0]
+        )
     if any(r is not None for r in in_rows) and len(eqn.outvars) == 1:
         # A buffer written row by row (or a scan's stacked output) keeps its rows.
-        at = _OVERWRITES.get(eqn.primitive.name, (0, 0))[1]
-        update = _as_slot(origins[at], eqn.invars[at].aval, state.pos.shape[0])
+        update = _as_slot(origins[at], eqn.invars[at].aval, length)
         rows = rows_made(eqn, invals, update, in_rows)
         if rows is not None:
             interpreter.set_rows(eqn.outvars[0], rows)
