@@ -988,6 +988,20 @@ def test_the_rows_of_a_scan_output_keep_their_iterations(jit):
     assert report_of(wrap(finite_rows), x).found is False
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_narrowing_convert_of_a_scan_output_names_the_inf_it_makes(jit):
+    # The rows are finite in float32; float16 overflows them. The slice keeps
+    # rows the convert made Inf: it names the convert (rows must not pass
+    # through a narrowing cast as they were).
+    def f(x):
+        ys = lax.scan(lambda c, i: (c, c * 1e6 * i), x, jnp.arange(4.0))[1]
+        return ys.astype(jnp.float16)[2:]  # narrowing-rows
+
+    fn = jax.jit(f) if jit else f
+    assert np.isinf(np.asarray(fn(jnp.ones(2)))).all()
+    expect(report_of(fn, jnp.ones(2)), "convert_element_type", "narrowing-rows", kind="inf")
+
+
 def test_the_rows_of_a_nested_scan_output_keep_both_iterations():
     # The inner scan's rows, sliced inside the outer body: the NaN row of outer
     # iteration 1 at inner iteration 2 is the one kept.

@@ -99,8 +99,22 @@ def origin_of_rows(
     return _Origin(w[first], rows.info[safe[first]], True)
 
 
-# Equations a row-written buffer passes through unchanged, row for row.
+# Equations a row-written buffer passes through unchanged, row for row (a
+# `convert_element_type` only to a float type that holds every value: a
+# narrowing one may make an Inf).
 _PASSED = frozenset({"copy", "copy_p", "convert_element_type"})
+
+
+def _passes(eqn: JaxprEqn) -> bool:
+    if eqn.primitive.name not in _PASSED or len(eqn.invars) != 1:
+        return False
+    if eqn.primitive.name != "convert_element_type":
+        return True
+    source = getattr(eqn.invars[0].aval, "dtype", None)
+    target = eqn.params["new_dtype"]
+    floats = source is not None and all(jnp.issubdtype(d, jnp.floating) for d in (source, target))
+    return floats and bool(jnp.finfo(target).max >= jnp.finfo(source).max)
+
 
 # Selections between whole buffers by one predicate: (predicate, cases) with
 # `lax.select_n`'s order of cases (equinox's `select_if_vmap(p, x, y)` is `x`
@@ -179,7 +193,7 @@ class _Roots:
         if eqn is None:
             return None
         name = eqn.primitive.name
-        if name in _PASSED and len(eqn.invars) == 1:
+        if _passes(eqn):
             return self.of(eqn.invars[0], depth + 1)
         if name in _SELECTS:
             if _shape(eqn.invars[0]):
@@ -276,8 +290,8 @@ def rows_made(eqn: JaxprEqn, invals: list[Any], update: Any, rows: list[Any]) ->
     passed on, selected, or written (rows of the update get `update`, its
     origin as a loop slot's). `None` where the equation ends them."""
     name = eqn.primitive.name
-    if name in _PASSED and len(rows) == 1:
-        return rows[0] if rows[0] is not None else None
+    if name in _PASSED:
+        return rows[0] if _passes(eqn) else None
     if name in _SELECTS:
         cases = rows[1:]
         if any(r is None for r in cases) or np.shape(invals[0]):
