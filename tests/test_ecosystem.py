@@ -447,7 +447,8 @@ def test_diffrax_saved_rows_find_nans_names_each_rows_step(dfx: ModuleType, jit:
     y0 = jnp.ones(2)
     wrap = jax.jit if jit else (lambda f: f)
     ys, report = wrap(find_nans(solve))(y0)
-    assert_trees_equal(ys, jax.jit(solve)(y0), "find_nans outputs")
+    # The checks change XLA's fusions: equal to float32 rounding (sharp bits).
+    np.testing.assert_allclose(ys, jax.jit(solve)(y0), rtol=1e-6)
     assert bool(jnp.all(jnp.isfinite(ys[:7]))) and bool(jnp.all(jnp.isnan(ys[7:])))
     for fn in (solve, lambda y0: solve(y0)[-1], lambda y0: solve(y0)[5:]):
         _, report = wrap(find_nans(fn))(y0)

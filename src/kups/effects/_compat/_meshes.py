@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.extend
 import jax.extend.core
+from jax._src import config as _config
 from jax._src import core as _core
 from jax.extend.core import JaxprEqn
 
@@ -47,7 +48,12 @@ def axis_names_in_error(err: BaseException) -> list[str]:
 def equation_mesh(eqn: JaxprEqn) -> Any:
     """The abstract mesh an equation was traced under (`jax.set_mesh`, and the
     Auto or Explicit variant of it inside `auto_axes` / `explicit_axes`)."""
-    return eqn.ctx.cur_abstract_mesh
+    ctx = eqn.ctx
+    if hasattr(ctx, "cur_abstract_mesh"):  # JAX 0.10.0 to 0.12.0.1
+        return ctx.cur_abstract_mesh
+    # JAX 0.12.1: the context keeps the configs it captured, by name.
+    names = _config.jaxpr_eqn_ctx_names()  # pyright: ignore[reportAttributeAccessIssue]
+    return ctx.configs[names.index("abstract_mesh_context_manager")]
 
 
 def current_mesh() -> Any:
