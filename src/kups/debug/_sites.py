@@ -106,3 +106,14 @@ def _located(sites: _Sites, handler: Handler) -> Handler:
 def _is_float_aval(aval: Any) -> bool:
     dtype = getattr(aval, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def widening_cast(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` converts floats to a float dtype that holds each of them, so
+    that it makes no Inf and keeps every NaN and Inf."""
+    if eqn.primitive.name != "convert_element_type":
+        return False
+    source = getattr(eqn.invars[0].aval, "dtype", None)
+    target = eqn.params["new_dtype"]
+    floats = source is not None and all(jnp.issubdtype(d, jnp.floating) for d in (source, target))
+    return floats and bool(jnp.finfo(target).max >= jnp.finfo(source).max)

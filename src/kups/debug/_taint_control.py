@@ -31,6 +31,7 @@ from kups.effects import (
 from ._position import _loop_start, _shard_indices, _spec_names
 from ._report import NanReport
 from ._sites import _located, _Sites
+from ._taint_crossing import with_pieces, with_rows, without_pieces, without_rows
 from ._taint_origin import (
     _EXTERNAL,
     _FINITE,
@@ -45,7 +46,6 @@ from ._taint_origin import (
     _shape,
     _Taint,
 )
-from ._taint_pieces import with_pieces, without_pieces
 from ._taint_rows import (
     MAX_ROWS,
     _Rows,
@@ -55,8 +55,6 @@ from ._taint_rows import (
     cond_rows,
     no_rows,
     rows_origin,
-    with_rows,
-    without_rows,
 )
 from ._taint_rules import _earliest_over, _flush, _taint_equation
 

@@ -22,6 +22,7 @@ from kups.effects import (
 from ._constants import _is_literal
 from ._position import _loop_depth
 from ._sites import _Sites
+from ._taint_crossing import with_pieces, with_rows, without_pieces, without_rows
 from ._taint_known import known_outputs
 from ._taint_origin import (
     _EXTERNAL,
@@ -34,13 +35,10 @@ from ._taint_origin import (
     _Taint,
     _validated,
 )
-from ._taint_pieces import with_pieces, without_pieces
 from ._taint_rows import (
     _Rows,
     _RowSlot,
     broadcast_rows,
-    with_rows,
-    without_rows,
     written,
 )
 from ._taint_rules import _flush

@@ -26,6 +26,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.extend.core import JaxprEqn
 
+from ._sites import widening_cast
 from ._taint_origin import (
     _FINE,
     _FINITE,
@@ -113,7 +114,7 @@ def pieces_made(
     if not pieces or pieces[0] is None:
         return None
     own = pieces[0]
-    if len(eqn.invars) == 1 and (name in _IN_PLACE or _widening(eqn, invals[0])):
+    if len(eqn.invars) == 1 and (name in _IN_PLACE or widening_cast(eqn)):
         return own
     if name == "reshape" and eqn.params.get("dimensions") is None:
         return _reshaped(own, np.shape(invals[0]), tuple(eqn.params["new_sizes"]))
@@ -180,16 +181,6 @@ def accumulated(
         if eqn.params.get("reverse", False):
             ranges.reverse()
     return (own.axis, own.bounds), ranges
-
-
-def _widening(eqn: JaxprEqn, value: Any) -> bool:
-    """Whether `eqn` converts floats to a float dtype that holds each of them
-    (so it makes no Inf)."""
-    if eqn.primitive.name != "convert_element_type":
-        return False
-    source, target = value.dtype, eqn.params["new_dtype"]
-    floats = all(jnp.issubdtype(d, jnp.floating) for d in (source, target))
-    return floats and bool(jnp.finfo(target).max >= jnp.finfo(source).max)
 
 
 def _reshaped(own: _Pieces, shape: tuple[int, ...], new: tuple[int, ...]) -> _Pieces | None:
@@ -488,31 +479,3 @@ def _padded(eqn: JaxprEqn, invals: list[Any], origins: list[Any]) -> _Pieces | N
             parts.append(part)
             bounds.append(bounds[-1] + length)
     return _Pieces(axis, tuple(bounds), tuple(parts))
-
-
-class _Pieced:
-    """A value's origin and its `_Pieces`, as they cross into a call's body (a
-    `jit`: `jnp.flip` is one) and back out of it."""
-
-    def __init__(self, origin: Any, pieces: _Pieces) -> None:
-        self.origin = origin
-        self.pieces = pieces
-
-
-jax.tree_util.register_pytree_node(
-    _Pieced,
-    lambda p: ((p.origin, p.pieces.origins), (p.pieces.axis, p.pieces.bounds)),
-    lambda aux, children: _Pieced(children[0], _Pieces(aux[0], aux[1], tuple(children[1]))),
-)
-
-
-def with_pieces(origins: list[Any], pieces: list[_Pieces | None]) -> tuple[Any, ...]:
-    """`origins`, each with its value's pieces if it has some."""
-    return tuple(o if p is None else _Pieced(o, p) for o, p in zip(origins, pieces, strict=True))
-
-
-def without_pieces(entries: Any) -> tuple[list[Any], list[_Pieces | None]]:
-    """The origins and the pieces of what `with_pieces` made."""
-    origins = [e.origin if isinstance(e, _Pieced) else e for e in entries]
-    pieces = [e.pieces if isinstance(e, _Pieced) else None for e in entries]
-    return origins, pieces

@@ -25,6 +25,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.extend.core import JaxprEqn, Literal
 
+from ._sites import widening_cast
 from ._taint_origin import _FINE, _not_finite, _Origin, _shape
 from ._taint_pieces import positions, window
 
@@ -108,12 +109,7 @@ _PASSED = frozenset({"copy", "copy_p", "convert_element_type"})
 def _passes(eqn: JaxprEqn) -> bool:
     if eqn.primitive.name not in _PASSED or len(eqn.invars) != 1:
         return False
-    if eqn.primitive.name != "convert_element_type":
-        return True
-    source = getattr(eqn.invars[0].aval, "dtype", None)
-    target = eqn.params["new_dtype"]
-    floats = source is not None and all(jnp.issubdtype(d, jnp.floating) for d in (source, target))
-    return floats and bool(jnp.finfo(target).max >= jnp.finfo(source).max)
+    return eqn.primitive.name != "convert_element_type" or widening_cast(eqn)
 
 
 # Selections between whole buffers by one predicate: (predicate, cases) with
@@ -347,28 +343,3 @@ class _RowSlot:
 jax.tree_util.register_pytree_node(
     _RowSlot, lambda r: ((r.origin, r.rows), None), lambda _, children: _RowSlot(*children)
 )
-
-
-class _Rowed:
-    """An entry of a call's `_IO` (an origin, maybe with pieces) with the rows of
-    its value, as they cross into a call's body and back out of it."""
-
-    def __init__(self, entry: Any, rows: _Rows) -> None:
-        self.entry = entry
-        self.rows = rows
-
-
-jax.tree_util.register_pytree_node(
-    _Rowed, lambda r: ((r.entry, r.rows), None), lambda _, children: _Rowed(*children)
-)
-
-
-def with_rows(entries: Any, rows: list[Any]) -> tuple[Any, ...]:
-    """`entries`, each with its value's rows if it has some."""
-    return tuple(e if r is None else _Rowed(e, r) for e, r in zip(entries, rows, strict=True))
-
-
-def without_rows(entries: Any) -> tuple[list[Any], list[Any]]:
-    """The entries and the rows of what `with_rows` made."""
-    rows = [e.rows if isinstance(e, _Rowed) else None for e in entries]
-    return [e.entry if isinstance(e, _Rowed) else e for e in entries], rows

@@ -25,7 +25,7 @@ from kups.effects import (
 )
 
 from ._position import _NO_SHARD
-from ._sites import _is_float, _Sites
+from ._sites import _is_float, _Sites, widening_cast
 from ._taint_origin import (
     _DATA,
     _EXTERNAL,
@@ -157,16 +157,8 @@ def _class_of(eqn: JaxprEqn, invals: list[Any], outval: Any, kinds: tuple[str, .
         return "transparent"
     if name == "div" and real_pair and scales[1] is not None and scales[1] >= 1.0:
         return "transparent"
-    if name == "convert_element_type":
-        source = getattr(eqn.invars[0].aval, "dtype", None)
-        target = outval.dtype
-        if (
-            source is not None
-            and jnp.issubdtype(source, jnp.floating)
-            and jnp.issubdtype(target, jnp.floating)
-            and jnp.finfo(target).max >= jnp.finfo(source).max
-        ):
-            return "transparent"
+    if widening_cast(eqn):
+        return "transparent"
     if name in _FILTERS:
         return "filter"
     return "create"
