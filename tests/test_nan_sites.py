@@ -96,6 +96,29 @@ def test_scan_counts_iterations_and_reverse_gives_xs_index():
     ]
 
 
+def test_a_nan_carried_by_a_loop_or_passed_through_a_jit_is_made_once():
+    # The carry holds the NaN from iteration 2 on, and the jit's output from then:
+    # only the sqrt made it; every use of the carry after it and the jit's body
+    # and its caller only pass it on. The carry starts with a NaN in `start`.
+    @jax.jit
+    def scaled(v, w):
+        return v * w + 1.0
+
+    def f(xs, start):
+        def step(carry, x):
+            s, t = carry
+            r = jnp.sqrt(x)  # sqrt-in-step
+            s = scaled(s + r, 2.0) - 1.0
+            return (s, t * 0.5), s.sum()
+
+        return lax.scan(step, (jnp.zeros(3), start), xs)
+
+    xs = jnp.array([[1.0] * 3, [4.0] * 3, [-1.0, 1.0, 1.0], [9.0] * 3])
+    assert sites_of(f, xs, jnp.array([jnp.nan, 1.0])) == [
+        site("sqrt", "sqrt-in-step", "nan", 1, [2]),
+    ]
+
+
 def test_nested_loops_while_and_cond():
     def f(x):
         def outer(i, total):

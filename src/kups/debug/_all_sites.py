@@ -28,6 +28,7 @@ from kups.effects import equations_in, reduce_shards, sub_jaxprs
 
 from ._position import _first_shard, _pick
 from ._sites import _is_float_aval
+from ._walk import _Check
 
 _CAPACITY: weakref.WeakKeyDictionary[Jaxpr, int] = weakref.WeakKeyDictionary()
 
@@ -66,27 +67,29 @@ class _AllSitesRecorder:
 
     def record(self, record: Any, site: int, flags: dict[str, Any], stamp: Any) -> Any:
         del stamp  # the first event's stamp is written when the jaxpr settles
-        return self.record_many(record, [(site, flags)])
+        return self.record_many(record, [_Check(site, flags)])
 
-    def record_many(self, record: Any, checks: list[tuple[int, dict[str, Any]]]) -> Any:
-        # The checks of one run of a jaxpr, by runs of consecutive sites: one
-        # slice, add and update of the table per run.
-        checks = sorted(
-            ((site, flags) for site, flags in checks if site < record.shape[0]),
-            key=lambda check: check[0],
-        )
+    def record_many(self, record: Any, checks: list[_Check]) -> Any:
+        # The checks of one run of a jaxpr, by runs of consecutive sites: their
+        # flags stacked, masked where an input held one, and added to the table
+        # with one slice and update per run.
+        checks = sorted((c for c in checks if c.site < record.shape[0]), key=lambda c: c.site)
         kinds = len(self.kinds)
         start = 0
         for end in range(1, len(checks) + 1):
-            if end < len(checks) and checks[end][0] == checks[end - 1][0] + 1:
+            if end < len(checks) and checks[end].site == checks[end - 1].site + 1:
                 continue
-            run, lo = checks[start:end], checks[start][0]
-            made = [
-                jax.lax.convert_element_type(flags[kind], np.int32)
-                for _, flags in run
-                for kind in self.kinds
-            ]
-            made = jnp.stack(made).reshape(len(run), kinds, 1)
+            run, lo = checks[start:end], checks[start].site
+            made = jnp.stack([c.flags[kind] for c in run for kind in self.kinds])
+            made = jax.lax.reshape(made, (len(run), kinds))
+            if any(c.inherited is not None for c in run):
+                no = np.bool_(False)
+                held = jnp.stack([no if c.inherited is None else c.inherited for c in run])
+                fresh = jax.lax.broadcast_in_dim(jax.lax.bitwise_not(held), made.shape, (0,))
+                made = jax.lax.bitwise_and(made, fresh)
+            made = jax.lax.reshape(
+                jax.lax.convert_element_type(made, np.int32), (len(run), kinds, 1)
+            )
             count = jax.lax.slice(record, (lo, 0, 0), (lo + len(run), kinds, 1))
             record = jax.lax.dynamic_update_slice(record, count + made, (lo, 0, 0))
             start = end

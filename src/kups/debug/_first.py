@@ -22,6 +22,8 @@ from jax.extend.core import Jaxpr
 
 from kups.effects import event_order, first_across_shards
 
+from ._walk import _Check
+
 
 class _First(NamedTuple):
     """- `code`: which equation first made a NaN/Inf, and whether a NaN:
@@ -72,9 +74,9 @@ class _FirstRecorder:
             code = jax.lax.sub(code, jax.lax.convert_element_type(flags["nan"], np.int32))
         return record._replace(code=jax.lax.select_n(first, record.code, code))
 
-    def record_many(self, record: _First, checks: list[tuple[int, dict[str, Any]]]) -> _First:
-        for site, flags in checks:
-            record = self.record(record, site, flags, None)
+    def record_many(self, record: _First, checks: list[_Check]) -> _First:
+        for check in checks:
+            record = self.record(record, check.site, check.flags, None)
         return record
 
     def settle(self, record: _First, jaxpr: Jaxpr, stamp: Any) -> _First:

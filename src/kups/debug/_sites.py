@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
-from jax.extend.core import Jaxpr, JaxprEqn
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from kups.effects import (
     Handler,
@@ -117,3 +117,26 @@ def widening_cast(eqn: JaxprEqn) -> bool:
     target = eqn.params["new_dtype"]
     floats = source is not None and all(jnp.issubdtype(d, jnp.floating) for d in (source, target))
     return floats and bool(jnp.finfo(target).max >= jnp.finfo(source).max)
+
+
+def scan_layout(eqn: JaxprEqn) -> tuple[int, int]:
+    """`(num_consts, num_carry)` of a scan, from the shapes alone (a carry and a
+    const have the same shape outside and inside the body; an `xs` or a `ys`
+    gains the leading `length` axis)."""
+    body = eqn.params["jaxpr"]
+    body = body.jaxpr if isinstance(body, ClosedJaxpr) else body
+    num_carry = 0
+    for outer, inner in zip(eqn.outvars, body.outvars, strict=True):
+        if _shape_of(outer) != _shape_of(inner):
+            break
+        num_carry += 1
+    num_unstacked = 0
+    for outer, inner in zip(eqn.invars, body.invars, strict=True):
+        if _shape_of(outer) != _shape_of(inner):
+            break
+        num_unstacked += 1
+    return num_unstacked - num_carry, num_carry
+
+
+def _shape_of(atom: Any) -> tuple[int, ...]:
+    return tuple(getattr(atom.aval, "shape", ()))

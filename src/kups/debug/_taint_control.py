@@ -30,7 +30,7 @@ from kups.effects import (
 
 from ._position import _loop_start, _shard_indices, _spec_names
 from ._report import NanReport
-from ._sites import _located, _Sites
+from ._sites import _located, _Sites, scan_layout
 from ._taint_crossing import with_pieces, with_rows, without_pieces, without_rows
 from ._taint_origin import (
     _EXTERNAL,
@@ -43,7 +43,6 @@ from ._taint_origin import (
     _float_origin,
     _is_float_aval,
     _Origin,
-    _shape,
     _Taint,
 )
 from ._taint_rows import (
@@ -97,25 +96,6 @@ def _left(interpreter: Any, state: _Taint, eqn: JaxprEqn, result: HandlerResult)
     return HandlerResult(ctx, result.outvals)
 
 
-def _scan_layout(eqn: JaxprEqn) -> tuple[int, int]:
-    """`(num_consts, num_carry)` of a scan, from the shapes alone (a carry and a
-    const have the same shape outside and inside the body; an `xs` or a `ys`
-    gains the leading `length` axis)."""
-    body = eqn.params["jaxpr"]
-    body = body.jaxpr if isinstance(body, ClosedJaxpr) else body
-    num_carry = 0
-    for outer, inner in zip(eqn.outvars, body.outvars, strict=True):
-        if _shape(outer) != _shape(inner):
-            break
-        num_carry += 1
-    num_unstacked = 0
-    for outer, inner in zip(eqn.invars, body.invars, strict=True):
-        if _shape(outer) != _shape(inner):
-            break
-        num_unstacked += 1
-    return num_unstacked - num_carry, num_carry
-
-
 def _advance(slot: int, by: int, carried: _Taint, new: _Taint) -> _Taint:
     """The loop updater: the loop's iteration counter in `pos` moves by `by`."""
     del carried
@@ -139,7 +119,7 @@ def _taint_loop(
     origins = interpreter.origins_of(eqn.invars, eqn)
     length = state.pos.shape[0]
     if eqn.primitive.name == "scan":
-        num_consts, num_carry = _scan_layout(eqn)
+        num_consts, num_carry = scan_layout(eqn)
         consts = origins[:num_consts]
         body = eqn.params["jaxpr"].jaxpr
         carry = _carry_slots(

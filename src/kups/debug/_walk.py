@@ -46,7 +46,7 @@ from ._constants import (
     _is_literal,
 )
 from ._position import _loop_depth
-from ._sites import _is_float, _located, _Scope, _Sites
+from ._sites import _is_float, _located, _Scope, _Sites, scan_layout
 
 _KINDS = ("nan", "inf")
 
@@ -87,9 +87,9 @@ class _Recorder(Protocol):
         `stamp`: `[shard, iteration of each loop...]` (see `_stamp`)."""
         ...
 
-    def record_many(self, record: Any, checks: list[tuple[int, dict[str, Any]]]) -> Any:
-        """`record` after the checks `(site, flags)` of one run of a jaxpr, all at
-        once (for a `batched` recorder, whose `record` the walk does not call)."""
+    def record_many(self, record: Any, checks: list[_Check]) -> Any:
+        """`record` after the checks of one run of a jaxpr, all at once (for a
+        `batched` recorder, whose `record` the walk does not call)."""
         ...
 
     def reduce(self, record: Any, position: Position, own: Any, manual: tuple[Any, ...]) -> Any:
@@ -107,17 +107,51 @@ class _Recorder(Protocol):
         ...
 
 
+class _Check(NamedTuple):
+    """A check of `site` that found `flags` (kind to traced bool). For a recorder
+    that counts only what an equation made itself, `inherited` (a traced bool, or
+    `None` when no input can hold one) says that an input already held a watched
+    NaN/Inf, and then the check counts nothing."""
+
+    site: int
+    flags: dict[str, Any]
+    inherited: Any = None
+
+
+class _Carried:
+    """For a recorder that counts only what an equation made itself: whether each
+    input of a sub-program from `offset` on held a watched NaN/Inf (a traced
+    bool, or `None`), so that the sub-program does not reduce it again. For a
+    `scan` (`loop`) they are its carries, and the body gives them back for its
+    carry outputs (the loop carries them); for a call, the body gives back the
+    flags it knows of its outputs."""
+
+    def __init__(self, offset: int, flags: tuple[Any, ...], loop: bool = True) -> None:
+        self.offset = offset
+        self.flags = flags
+        self.loop = loop
+
+
+jax.tree_util.register_pytree_node(
+    _Carried,
+    lambda c: (c.flags, (c.offset, c.loop)),
+    lambda aux, flags: _Carried(aux[0], tuple(flags), aux[1]),
+)
+
+
 class _State(NamedTuple):
     """The context of the walk.
 
     - `record`: the recorder's record (`None` until the program's jaxpr is seen).
     - `position`: the loop iterations and shard of the current equation.
     - `scope`: static facts about where the current equation is (`_Scope`).
+    - `carried`: what a `scan` hands its body (`_Carried`), else `None`.
     """
 
     record: Any
     position: Position
     scope: _Scope
+    carried: _Carried | None = None
 
 
 def _initial_state() -> _State:
@@ -128,19 +162,25 @@ class _WalkInterpreter(_FramingInterpreter):
     """Starts the record when it meets the program's jaxpr."""
 
     def __init__(
-        self, dispatcher: Dispatcher, recorder: _Recorder, policy: InterpreterPolicy, label: str
+        self,
+        dispatcher: Dispatcher,
+        recorder: _Recorder,
+        kinds: tuple[str, ...],
+        policy: InterpreterPolicy,
+        label: str,
     ) -> None:
         super().__init__(
             dispatcher, policy=policy, label=label, policy_hint=f"{label}(fn, policy=...)"
         )
         self.recorder = recorder
+        self.kinds = kinds
         self.depth = 0
         # Per jaxpr being run: whether a variable held a watched NaN/Inf (a traced
         # bool), for recorders that count only what an equation made itself.
         self.held: list[dict[Any, Any]] = []
         # Per jaxpr being run, for a recorder that takes its checks in batches:
-        # the `(site, flags)` of the checks not yet in the record.
-        self.pending: list[list[tuple[int, dict[str, Any]]]] = []
+        # the checks not yet in the record.
+        self.pending: list[list[_Check]] = []
         # Per jaxpr being run: its loop depth and shard_map nesting, which change
         # at the jaxprs whose end the recorder settles.
         self.levels: list[tuple[int, int] | None] = []
@@ -155,12 +195,28 @@ class _WalkInterpreter(_FramingInterpreter):
             ctx = ctx._replace(record=self.recorder.start(jaxpr, self.depth))
         level = (ctx.position.depth, len(ctx.position.levels)) if isinstance(ctx, _State) else None
         settle = level is not None and (not self.levels or self.levels[-1] != level)
-        self.held.append({})
+        carried = ctx.carried if isinstance(ctx, _State) else None
+        held: dict[Any, Any] = {}
+        if carried is not None:
+            ctx = ctx._replace(carried=None)
+            for var, flag in zip(jaxpr.invars[carried.offset :], carried.flags, strict=False):
+                if flag is not None:
+                    held[var] = flag
+        self.held.append(held)
         self.levels.append(level)
         self.pending.append([])
         try:
             outs, ctx = super().interpret_jaxpr(jaxpr, consts, ctx, args)
             ctx = self.flush(ctx)
+            if carried is not None and carried.loop:
+                flags = tuple(
+                    None if flag is None else _held_flag(held, var, value, self.kinds)
+                    for var, value, flag in zip(jaxpr.outvars, outs, carried.flags, strict=False)
+                )
+                ctx = ctx._replace(carried=_Carried(carried.offset, flags))
+            elif carried is not None:
+                known = tuple(None if _is_literal(v) else held.get(v) for v in jaxpr.outvars)
+                ctx = ctx._replace(carried=_Carried(0, known, loop=False))
         finally:
             self.held.pop()
             self.levels.pop()
@@ -280,26 +336,33 @@ def _check_equation(
         return HandlerResult(state, outvals)
     site = sites.add(eqn, state)
     flags = _flags(floats, kinds, exact=interpreter.recorder.made_only)
+    inherited = None
     if interpreter.recorder.made_only:
-        flags = _made_here(interpreter, state, eqn, invals, flags, kinds)
+        inherited = _inherited(interpreter, state, eqn, invals, flags, kinds)
     if interpreter.recorder.batched:
-        interpreter.pending[-1].append((site, flags))
+        # The recorder masks the flags of a whole run at once.
+        interpreter.pending[-1].append(_Check(site, flags, inherited))
         return HandlerResult(state, outvals)
+    if inherited is not None:
+        fresh = jax.lax.bitwise_not(inherited)
+        flags = {kind: jax.lax.bitwise_and(flag, fresh) for kind, flag in flags.items()}
     record = interpreter.recorder.record(state.record, site, flags, _stamp(interpreter, state))
     return HandlerResult(state._replace(record=record), outvals)
 
 
-def _made_here(
+def _inherited(
     interpreter: Any,
     state: _State,
     eqn: JaxprEqn,
     invals: list[Any],
     flags: dict[str, Any],
     kinds: tuple[str, ...],
-) -> dict[str, Any]:
-    """`flags` of what `eqn` made itself: none where an input already held a
-    watched NaN/Inf (judged per array). A constant input does not count: the
-    equation that first combines a constant NaN with data made it."""
+) -> Any:
+    """Whether an input of `eqn` already held a watched NaN/Inf (judged per
+    array), so that `eqn` made none itself; `None` when no input can. A constant
+    input does not count: the equation that first combines a constant NaN with
+    data made it. `flags` are `eqn`'s own, kept for the equations its outputs
+    feed."""
     held = interpreter.held[-1]
     held.update(dict.fromkeys(eqn.outvars, functools.reduce(_or, flags.values())))
     frame = state.scope.frame
@@ -308,17 +371,69 @@ def _made_here(
     for var, value in zip(eqn.invars, invals, strict=True):
         if _is_literal(var) or var in constants or not _is_float(value):
             continue
-        if var not in held:
-            # Whether it holds any watched NaN/Inf: with both kinds, one reduction
-            # of `isfinite`.
-            both = len(kinds) == 2
-            probe = _flags([value], ("inf",) if both else kinds, exact=not both)
-            held[var] = functools.reduce(_or, probe.values())
-        inherited = held[var] if inherited is None else _or(inherited, held[var])
-    if inherited is None:
-        return flags
-    fresh = jax.lax.bitwise_not(inherited)
-    return {kind: jax.lax.bitwise_and(flag, fresh) for kind, flag in flags.items()}
+        flag = _held_flag(held, var, value, kinds)
+        inherited = flag if inherited is None else _or(inherited, flag)
+    return inherited
+
+
+def _held_flag(held: dict[Any, Any], var: Any, value: Any, kinds: tuple[str, ...]) -> Any:
+    """Whether `var` (of value `value`) holds any watched NaN/Inf: its flag in
+    `held`, or one reduction of `value` (of `isfinite` with both kinds), kept
+    there for its next use."""
+    if not _is_literal(var) and var in held:
+        return held[var]
+    both = len(kinds) == 2
+    value = value if hasattr(value, "ndim") else np.asarray(value)  # a Python float
+    probe = _flags([value], ("inf",) if both else kinds, exact=not both)
+    flag = functools.reduce(_or, probe.values())
+    if not _is_literal(var):
+        held[var] = flag
+    return flag
+
+
+# Calls whose body takes the call's inputs and gives its outputs, one for one.
+_PLAIN_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint"})
+
+
+def _held_through(handler: Any) -> Any:
+    """`handler` of a `scan` or a plain call, for a recorder that counts only what
+    an equation made itself: whether each floating carry held a NaN/Inf rides the
+    loop with it (`_Carried`), and is known after the loop; a call's body knows
+    its inputs' flags, and the call's outputs get the flags the body knew. Not
+    inside `shard_map`, where a flag would have to keep its value's varying axes."""
+
+    def through(interpreter: Any, state: Any, eqn: JaxprEqn, invals: list[Any]) -> Any:
+        if (
+            not isinstance(state, _State)
+            or not interpreter.recorder.made_only
+            or state.scope.manual_axes
+            or not interpreter.held
+        ):
+            return handler(interpreter, state, eqn, invals)
+        held, kinds = interpreter.held[-1], interpreter.kinds
+        if eqn.primitive.name == "scan":
+            num_consts, num_carry = scan_layout(eqn)
+            carries = range(num_consts, num_consts + num_carry)
+            flags = tuple(
+                _held_flag(held, eqn.invars[i], invals[i], kinds) if _is_float(invals[i]) else None
+                for i in carries
+            )
+            carried = _Carried(num_consts, flags)
+        else:
+            # A call's body takes the flags its inputs already have (no reduction).
+            flags = tuple(None if _is_literal(var) else held.get(var) for var in eqn.invars)
+            carried = _Carried(0, flags, loop=False)
+        if all(flag is None for flag in flags):
+            return handler(interpreter, state, eqn, invals)
+        result = handler(interpreter, state._replace(carried=carried), eqn, invals)
+        after = result.ctx.carried
+        if after is not None and after is not carried:
+            for var, flag in zip(eqn.outvars, after.flags, strict=False):
+                if flag is not None:
+                    held[var] = flag
+        return HandlerResult(result.ctx._replace(carried=None), result.outvals)
+
+    return through
 
 
 @functools.lru_cache(maxsize=64)
@@ -392,7 +507,9 @@ def _settled_before(handler: Any) -> Any:
 def _dispatcher(sites: _Sites, kinds: tuple[str, ...]) -> Dispatcher:
     dispatcher = (
         default_dispatcher()
-        .register_handler("scan", _settled_before(track_position(default_scan_handler)))
+        .register_handler(
+            "scan", _held_through(_settled_before(track_position(default_scan_handler)))
+        )
         .register_handler(
             "while",
             _settled_before(
@@ -405,6 +522,8 @@ def _dispatcher(sites: _Sites, kinds: tuple[str, ...]) -> Dispatcher:
     for name, handler in dispatcher.handlers.items():
         if name in _CALLS:
             handler = _in_frame(handler)
+        if name in _PLAIN_CALLS:
+            handler = _held_through(handler)
         dispatcher.register_handler(name, _located(sites, handler))
     return dispatcher
 
@@ -421,7 +540,7 @@ def _walk(
 
     def walked(*args: Any, **kwargs: Any) -> tuple[Any, Any, _Sites]:
         sites = _Sites(kinds)
-        interpreter = _WalkInterpreter(_dispatcher(sites, kinds), recorder, policy, label)
+        interpreter = _WalkInterpreter(_dispatcher(sites, kinds), recorder, kinds, policy, label)
         out, state = reinterpret(fn, interpreter)(_initial_state(), *args, **kwargs)
         return out, state.record, sites
 
