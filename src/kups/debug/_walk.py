@@ -39,14 +39,14 @@ from kups.effects import (
 
 from ._constants import (
     _CALLS,
-    _constant_equations,
     _FramingInterpreter,
     _in_frame,
     _is_constant,
     _is_literal,
 )
+from ._flags import _PLAIN_CALLS, _Carried, _flags, _held_flag, _held_through, _inherited
 from ._position import _loop_depth
-from ._sites import _is_float, _located, _Scope, _Sites, scan_layout
+from ._sites import _is_float, _located, _Scope, _Sites
 
 _KINDS = ("nan", "inf")
 
@@ -116,27 +116,6 @@ class _Check(NamedTuple):
     site: int
     flags: dict[str, Any]
     inherited: Any = None
-
-
-class _Carried:
-    """For a recorder that counts only what an equation made itself: whether each
-    input of a sub-program from `offset` on held a watched NaN/Inf (a traced
-    bool, or `None`), so that the sub-program does not reduce it again. For a
-    `scan` (`loop`) they are its carries, and the body gives them back for its
-    carry outputs (the loop carries them); for a call, the body gives back the
-    flags it knows of its outputs."""
-
-    def __init__(self, offset: int, flags: tuple[Any, ...], loop: bool = True) -> None:
-        self.offset = offset
-        self.flags = flags
-        self.loop = loop
-
-
-jax.tree_util.register_pytree_node(
-    _Carried,
-    lambda c: (c.flags, (c.offset, c.loop)),
-    lambda aux, flags: _Carried(aux[0], tuple(flags), aux[1]),
-)
 
 
 class _State(NamedTuple):
@@ -235,56 +214,6 @@ class _WalkInterpreter(_FramingInterpreter):
         return ctx._replace(record=record)
 
 
-def _or(a: Any, b: Any) -> Any:
-    return jax.lax.bitwise_or(a, b)
-
-
-def _flags(values: list[Any], kinds: tuple[str, ...], exact: bool = True) -> dict[str, Any]:
-    """Whether any element of `values` is a NaN / an Inf, for each of `kinds`: one
-    reduction of all the flags at once per value. Not `exact`, the flag of "inf"
-    says whether any element is not finite (one operation less per element)."""
-    found: dict[str, Any] = {}
-    for value in values:
-        real = not jnp.issubdtype(value.dtype, jnp.complexfloating)
-        finite = not exact and real and "inf" in kinds
-        masks, inits, combine = [], [], []
-        for kind in kinds:
-            if kind == "inf" and finite:
-                masks.append(jax.lax.is_finite(value))
-                inits.append(np.bool_(True))
-                combine.append(jax.lax.bitwise_and)
-            else:
-                masks.append(_is_nan(value) if kind == "nan" else _is_inf(value))
-                inits.append(np.bool_(False))
-                combine.append(_or)
-        if value.ndim == 0:
-            flags = masks
-        else:
-            flags = jax.lax.reduce(
-                tuple(masks),
-                tuple(inits),
-                lambda a, b, combine=tuple(combine): tuple(
-                    op(x, y) for op, x, y in zip(combine, a, b, strict=True)
-                ),
-                tuple(range(value.ndim)),
-            )
-        flags = list(flags)
-        if finite:
-            flags[kinds.index("inf")] = jax.lax.bitwise_not(flags[kinds.index("inf")])
-        for kind, flag in zip(kinds, flags, strict=True):
-            found[kind] = _or(found[kind], flag) if kind in found else flag
-    return found
-
-
-def _is_nan(value: Any) -> Any:
-    return jax.lax.ne(value, value)
-
-
-def _is_inf(value: Any) -> Any:
-    magnitude = jax.lax.abs(value)
-    return jax.lax.eq(magnitude, np.array(np.inf, magnitude.dtype))
-
-
 def _stamp(interpreter: Any, state: _State) -> Any:
     """`[shard, iteration of each loop...]` of the current equation, padded with -1
     to the program's loop depth: computed once per shard and loop counters
@@ -348,92 +277,6 @@ def _check_equation(
         flags = {kind: jax.lax.bitwise_and(flag, fresh) for kind, flag in flags.items()}
     record = interpreter.recorder.record(state.record, site, flags, _stamp(interpreter, state))
     return HandlerResult(state._replace(record=record), outvals)
-
-
-def _inherited(
-    interpreter: Any,
-    state: _State,
-    eqn: JaxprEqn,
-    invals: list[Any],
-    flags: dict[str, Any],
-    kinds: tuple[str, ...],
-) -> Any:
-    """Whether an input of `eqn` already held a watched NaN/Inf (judged per
-    array), so that `eqn` made none itself; `None` when no input can. A constant
-    input does not count: the equation that first combines a constant NaN with
-    data made it. `flags` are `eqn`'s own, kept for the equations its outputs
-    feed."""
-    held = interpreter.held[-1]
-    held.update(dict.fromkeys(eqn.outvars, functools.reduce(_or, flags.values())))
-    frame = state.scope.frame
-    constants = _constant_equations(frame.jaxpr, frame.constant_inputs)[1] if frame else frozenset()
-    inherited = None
-    for var, value in zip(eqn.invars, invals, strict=True):
-        if _is_literal(var) or var in constants or not _is_float(value):
-            continue
-        flag = _held_flag(held, var, value, kinds)
-        inherited = flag if inherited is None else _or(inherited, flag)
-    return inherited
-
-
-def _held_flag(held: dict[Any, Any], var: Any, value: Any, kinds: tuple[str, ...]) -> Any:
-    """Whether `var` (of value `value`) holds any watched NaN/Inf: its flag in
-    `held`, or one reduction of `value` (of `isfinite` with both kinds), kept
-    there for its next use."""
-    if not _is_literal(var) and var in held:
-        return held[var]
-    both = len(kinds) == 2
-    value = value if hasattr(value, "ndim") else np.asarray(value)  # a Python float
-    probe = _flags([value], ("inf",) if both else kinds, exact=not both)
-    flag = functools.reduce(_or, probe.values())
-    if not _is_literal(var):
-        held[var] = flag
-    return flag
-
-
-# Calls whose body takes the call's inputs and gives its outputs, one for one.
-_PLAIN_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint"})
-
-
-def _held_through(handler: Any) -> Any:
-    """`handler` of a `scan` or a plain call, for a recorder that counts only what
-    an equation made itself: whether each floating carry held a NaN/Inf rides the
-    loop with it (`_Carried`), and is known after the loop; a call's body knows
-    its inputs' flags, and the call's outputs get the flags the body knew. Not
-    inside `shard_map`, where a flag would have to keep its value's varying axes."""
-
-    def through(interpreter: Any, state: Any, eqn: JaxprEqn, invals: list[Any]) -> Any:
-        if (
-            not isinstance(state, _State)
-            or not interpreter.recorder.made_only
-            or state.scope.manual_axes
-            or not interpreter.held
-        ):
-            return handler(interpreter, state, eqn, invals)
-        held, kinds = interpreter.held[-1], interpreter.kinds
-        if eqn.primitive.name == "scan":
-            num_consts, num_carry = scan_layout(eqn)
-            carries = range(num_consts, num_consts + num_carry)
-            flags = tuple(
-                _held_flag(held, eqn.invars[i], invals[i], kinds) if _is_float(invals[i]) else None
-                for i in carries
-            )
-            carried = _Carried(num_consts, flags)
-        else:
-            # A call's body takes the flags its inputs already have (no reduction).
-            flags = tuple(None if _is_literal(var) else held.get(var) for var in eqn.invars)
-            carried = _Carried(0, flags, loop=False)
-        if all(flag is None for flag in flags):
-            return handler(interpreter, state, eqn, invals)
-        result = handler(interpreter, state._replace(carried=carried), eqn, invals)
-        after = result.ctx.carried
-        if after is not None and after is not carried:
-            for var, flag in zip(eqn.outvars, after.flags, strict=False):
-                if flag is not None:
-                    held[var] = flag
-        return HandlerResult(result.ctx._replace(carried=None), result.outvals)
-
-    return through
 
 
 @functools.lru_cache(maxsize=64)
