@@ -354,6 +354,79 @@ def test_reap_nested_scans_clobber_is_the_very_last_value():
     assert_tree_close(sown["inner"], jnp.float32(66.0))
 
 
+def _stacked_outputs(jaxpr, length):
+    """The outputs of the top-level scans of `jaxpr` stacked along `length`."""
+    return [
+        v.aval.shape
+        for eqn in jaxpr.eqns
+        if eqn.primitive.name == "scan"
+        for v in eqn.outvars
+        if v.aval.shape[:1] == (length,)
+    ]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_reap_clobber_new_in_a_scan_is_carried_not_stacked(jit):
+    # Each iteration sows `last` (directly, through a jit, an inner scan that
+    # runs, or every branch of a cond): the scan carries the last value and
+    # stacks nothing. Sown in one branch only, or in an inner loop that may not
+    # run, the value of an iteration that sows nothing is not the last one
+    # sown, so the scan stacks as before.
+    def f(xs, where):
+        def step(carry, x):
+            value = jnp.full((3,), x) + carry
+            if where == "direct":
+                sow(value, tag="t", name="last", mode="clobber")
+            elif where == "jit":
+                jax.jit(lambda v: sow(v, tag="t", name="last", mode="clobber"))(value)
+            elif where == "inner scan":
+                lax.scan(
+                    lambda c, _: (sow(c, tag="t", name="last", mode="clobber"), None),
+                    value,
+                    None,
+                    length=2,
+                )
+            elif where == "both branches":
+                lax.cond(
+                    x > 2.0,
+                    lambda v: sow(v, tag="t", name="last", mode="clobber"),
+                    lambda v: sow(-v, tag="t", name="last", mode="clobber"),
+                    value,
+                )
+            return carry + x, None
+
+        return lax.scan(step, jnp.float32(0.0), xs)[0]
+
+    xs = jnp.arange(1.0, 6.0)
+    for where in ("direct", "jit", "inner scan", "both branches"):
+        reaped = reap(functools.partial(f, where=where), tag="t")
+        _, sown = (jax.jit(reaped) if jit else reaped)(xs)
+        sign = -1.0 if where == "both branches" and xs[-1] <= 2.0 else 1.0
+        assert_tree_close(sown["last"], sign * (jnp.full((3,), 5.0) + 10.0))
+        jaxpr = jax.make_jaxpr(reaped)(xs).jaxpr
+        assert _stacked_outputs(jaxpr, 5) == [], where
+
+
+def test_reap_clobber_in_a_loop_that_may_not_run_is_the_last_iterations_value():
+    # The inner while runs no step in the last iteration: that iteration's value
+    # is the init (what a zero-trip loop yields), not the one sown before it.
+    def f(xs):
+        def step(carry, x):
+            def body(i):
+                sow(x * 10.0 + i, tag="t", name="v", mode="clobber", init=-1.0)
+                return i + 1.0
+
+            lax.while_loop(lambda i: i < x - 2.0, body, jnp.float32(0.0))
+            return carry, None
+
+        return lax.scan(step, jnp.float32(0.0), xs)[0]
+
+    for xs, expected in (([5.0, 4.0, 0.5], -1.0), ([0.5, 5.0, 4.0], 41.0)):
+        xs = jnp.array(xs)
+        assert_tree_close(reap(f, tag="t")(xs)[1]["v"], jnp.float32(expected))
+        assert_tree_close(jax.jit(reap(f, tag="t"))(xs)[1]["v"], jnp.float32(expected))
+
+
 def test_reap_strict_inside_scan_is_an_error():
     def f(xs):
         def step(carry, x):

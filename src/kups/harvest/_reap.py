@@ -24,7 +24,6 @@ from kups.effects import (
     shard_map_axes,
     source_line,
     stage_eagerly,
-    varying_axes,
     wraps_with_leading,
 )
 
@@ -33,18 +32,18 @@ from ._custom_jvp import reap_custom_jvp
 from ._names import LazyLine, SowPath, Tag, describe, path_of, show_path
 from ._reaped import Reaped, filled_with_init, init_of, nested
 from ._rules import check_cond, check_scan, check_while
+from ._seeding import Seeding
 from ._selection import (
     Selection,
     pass_through,
     selective_interpreter,
-    sows_around,
     sows_in,
     specs_like,
 )
 from ._sow import split_operands
 
 
-class Reaper:
+class Reaper(Seeding):
     """The handlers of one `reap` call (one tag), and what they remember for
     error messages: where each name was first sown."""
 
@@ -169,97 +168,13 @@ class Reaper:
             lambda new, old: jnp.where(pred, new, old).astype(jnp.result_type(old)), value, before
         )
 
-    def seeded(self, ctx: Reaped, sows: list[JaxprEqn], eqn: JaxprEqn) -> Reaped:
-        """`ctx` with every `sow_cond` name of `sows` that has no value yet set to its
-        `init`, so that a loop carries it (a sow_cond keeps a value from one
-        iteration to the next) and a cond's branches agree on it."""
-        for sow_eqn in sows:
-            path, params = path_of(sow_eqn), sow_eqn.params
-            if not params["conditional"] or path in ctx.values:
-                continue
-            if params["init"] is None:
-                raise ValueError(
-                    f"{self.label(path)} is sown with sow_cond at {source_line(sow_eqn)}, inside "
-                    f"the {eqn.primitive.name} at {source_line(eqn)}, and has no value before it. "
-                    f"pred may never hold, and then the name would have no value; kups does "
-                    f"not invent one. Give sow_cond(..., init=<number>), or sow an initial "
-                    f"value with sow(..., mode='clobber') before."
-                )
-            ctx = self._init_value(ctx, sow_eqn)
-        return ctx
-
-    def _init_value(self, ctx: Reaped, sow_eqn: JaxprEqn) -> Reaped:
-        """`ctx` with the name of `sow_eqn` set to its `init`, in the shape and
-        dtype of its value."""
-        path, params = path_of(sow_eqn), sow_eqn.params
-        _, operands = split_operands(params, list(sow_eqn.invars))
-        leaves = []
-        for operand in operands:
-            leaf = filled_with_init(self.tag, params, LazyLine(sow_eqn), operand.aval)
-            # Inside shard_map, a loop carries it with the sown value's
-            # varying manual axes.
-            varying = tuple(sorted(varying_axes(operand.aval), key=str))
-            leaves.append(jax.lax.pcast(leaf, varying, to="varying") if varying else leaf)
-        value = jax.tree.unflatten(params["tree"], leaves)
-        self.first_sown.setdefault(path, LazyLine(sow_eqn))
-        return ctx.sown(path, value, params["mode"])
-
-    def preseeded(
-        self, ctx: Reaped, inits: dict[SowPath, JaxprEqn], in_loop: list[JaxprEqn], eqn: JaxprEqn
-    ) -> Reaped:
-        """`ctx` with each name of `inits` set to its `init` when that is the value
-        the loop's initializer would give, known without tracing the body to find
-        its shape (so the body is traced once, and nested loops do not trace theirs
-        again for each trace of the outer one).
-
-        It is when every sow of the name in the loop is a plain clobber sow of one
-        shape and dtype, inside nothing but `jit`s, `checkpoint`s, and loops and
-        conds that would give the name the same value had it none before: each
-        enclosing loop has a sow of it with `init` (a zero-trip loop yields the
-        init), and every branch of each enclosing cond sows it."""
-        around: dict[int, list[tuple[JaxprEqn, ...]]] = {}
-        for jaxpr in (eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]):
-            for key, places in sows_around(jaxpr).items():
-                around.setdefault(key, []).extend(places)
-        for path, init in inits.items():
-            sows = [e for e in in_loop if path_of(e) == path]
-            avals = {
-                tuple(v.aval for v in split_operands(e.params, list(e.invars))[1]) for e in sows
-            }
-            if len(avals) == 1 and all(
-                e.params["mode"] == "clobber"
-                and not e.params["conditional"]
-                and all(
-                    self._keeps_value(path, outer) for place in around[id(e)] for outer in place
-                )
-                for e in sows
-            ):
-                ctx = self._init_value(ctx, init)
-        return ctx
-
-    def _keeps_value(self, path: SowPath, outer: JaxprEqn) -> bool:
-        """Whether `outer`, an equation around a clobber sow of `path`, gives the
-        name the value it would give had the name its init before `outer`."""
-        name, params = outer.primitive.name, outer.params
-        if name in _TRANSPARENT:
-            return True
-        if name == "scan":
-            return init_of(self.tag, path, self.sows(params["jaxpr"])) is not None
-        if name == "while":
-            in_loop = [*self.sows(params["cond_jaxpr"]), *self.sows(params["body_jaxpr"])]
-            return init_of(self.tag, path, in_loop) is not None
-        if name == "cond":
-            return all(
-                any(path_of(e) == path for e in self.sows(branch)) for branch in params["branches"]
-            )
-        return False
-
     def scan(
         self, interpreter: Interpreter, ctx: Reaped, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
         in_body = self.sows(eqn.params["jaxpr"])
         check_scan(self.tag, in_body, eqn)
-        ctx = with_batched(self.seeded(ctx, in_body, eqn), in_body)
+        ctx = self.carried_clobbers(self.seeded(ctx, in_body, eqn), in_body, eqn)
+        ctx = with_batched(ctx, in_body)
         # Names new in the body come back stacked along the iterations, entry i
         # belonging to xs[i]; names sown before the scan are carried.
         result = default_scan_handler(interpreter, ctx, eqn, invals, threading=ScanSemantics.RESULT)
@@ -466,10 +381,3 @@ def reap(
         return out, reaper.result(ctx)
 
     return stage_eagerly(wrapped)
-
-
-# Control flow that runs its body once, as it is: a clobber sow inside gives its
-# value as it would directly.
-_TRANSPARENT = frozenset(
-    {"pjit", "jit", "closed_call", "core_call", "call", "checkpoint", "remat2"}
-)

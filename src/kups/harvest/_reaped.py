@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import JaxprEqn
 
 from kups.effects import source_line
@@ -94,7 +95,8 @@ def filled_with_init(tag: Tag, params: Mapping[str, Any], at: object, like: Any)
             f"exactly, or sow an initial value before the loop."
         )
     fill = init if jnp.issubdtype(dtype, jnp.complexfloating) else value.real
-    return jax.lax.full(like.shape, fill, dtype)
+    # One broadcast of a constant (`lax.full` costs several times more to trace).
+    return jax.lax.broadcast_in_dim(np.array(fill, dtype), tuple(like.shape), ())
 
 
 def nested(values: Mapping[SowPath, Any]) -> dict[str, Any]:
