@@ -180,11 +180,18 @@ def run(quick: bool = False) -> Section:
                 ],
             )
         )
-        targets.append(
-            Target(
-                f"{mode}: eager kups / eager JAX, peak memory", ratio, f"<= {BOUND}", ratio <= BOUND
+        if sync:
+            # Under asynchronous dispatch the queue decides when buffers die: a walker
+            # that never frees a value ("keeps every value") measures like eager JAX,
+            # so the figure cannot judge freeing and has no target (see the method).
+            targets.append(
+                Target(
+                    f"{mode}: eager kups / eager JAX, peak memory",
+                    ratio,
+                    f"<= {BOUND}",
+                    ratio <= BOUND,
+                )
             )
-        )
     return Section(
         name="memory",
         title="5. Peak memory of an eager interpretation",
