@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from kups.effects import InterpreterPolicy
 from kups.harvest import MODES, harvest, nest, plant, reap, reap_grads, sow, sow_cond
+from kups.harvest._seeding import CARRY_ABOVE
 from library_primitive import library_call, library_fn_call
 
 XS = jnp.array([0.5, -1.0, 2.0, 0.25, 1.5], jnp.float32)
@@ -368,13 +369,12 @@ def _stacked_outputs(jaxpr, length):
 @pytest.mark.parametrize("jit", [False, True])
 def test_reap_clobber_new_in_a_scan_is_carried_not_stacked(jit):
     # Each iteration sows `last` (directly, through a jit, an inner scan that
-    # runs, or every branch of a cond): the scan carries the last value and
-    # stacks nothing. Sown in one branch only, or in an inner loop that may not
-    # run, the value of an iteration that sows nothing is not the last one
-    # sown, so the scan stacks as before.
-    def f(xs, where):
+    # runs, or every branch of a cond), and its values stacked over the
+    # iterations would be large: the scan carries the last value and stacks
+    # nothing. A small stack is kept (cheaper to trace than a carry).
+    def f(xs, where, size):
         def step(carry, x):
-            value = jnp.full((3,), x) + carry
+            value = jnp.full((size,), x) + carry
             if where == "direct":
                 sow(value, tag="t", name="last", mode="clobber")
             elif where == "jit":
@@ -398,13 +398,14 @@ def test_reap_clobber_new_in_a_scan_is_carried_not_stacked(jit):
         return lax.scan(step, jnp.float32(0.0), xs)[0]
 
     xs = jnp.arange(1.0, 6.0)
+    large = CARRY_ABOVE // 4
     for where in ("direct", "jit", "inner scan", "both branches"):
-        reaped = reap(functools.partial(f, where=where), tag="t")
-        _, sown = (jax.jit(reaped) if jit else reaped)(xs)
-        sign = -1.0 if where == "both branches" and xs[-1] <= 2.0 else 1.0
-        assert_tree_close(sown["last"], sign * (jnp.full((3,), 5.0) + 10.0))
-        jaxpr = jax.make_jaxpr(reaped)(xs).jaxpr
-        assert _stacked_outputs(jaxpr, 5) == [], where
+        for size, stacked in ((large, []), (3, [(5, 3)])):
+            reaped = reap(functools.partial(f, where=where, size=size), tag="t")
+            _, sown = (jax.jit(reaped) if jit else reaped)(xs)
+            assert_tree_close(sown["last"], jnp.full((size,), 15.0))
+            jaxpr = jax.make_jaxpr(reaped)(xs).jaxpr
+            assert _stacked_outputs(jaxpr, 5) == stacked, (where, size)
 
 
 def test_reap_clobber_in_a_loop_that_may_not_run_is_the_last_iterations_value():

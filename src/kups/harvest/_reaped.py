@@ -95,8 +95,15 @@ def filled_with_init(tag: Tag, params: Mapping[str, Any], at: object, like: Any)
             f"exactly, or sow an initial value before the loop."
         )
     fill = init if jnp.issubdtype(dtype, jnp.complexfloating) else value.real
+    if math.prod(like.shape) <= _SMALL:
+        # A small constant: no equation to trace (a loop takes it as a literal input).
+        return np.full(tuple(like.shape), fill, dtype)
     # One broadcast of a constant (`lax.full` costs several times more to trace).
     return jax.lax.broadcast_in_dim(np.array(fill, dtype), tuple(like.shape), ())
+
+
+# The largest fill made as a constant of the program rather than a broadcast.
+_SMALL = 256
 
 
 def nested(values: Mapping[SowPath, Any]) -> dict[str, Any]:

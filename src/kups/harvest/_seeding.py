@@ -5,6 +5,7 @@ instead of stacking. A base of `Reaper`, which gives `tag`, `first_sown`,
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -17,6 +18,9 @@ from ._names import LazyLine, SowPath, Tag, path_of
 from ._reaped import Reaped, filled_with_init, init_of
 from ._selection import sows_around
 from ._sow import split_operands
+
+# The most elements a scan stacks for a clobber name it could carry instead.
+CARRY_ABOVE = 2**16
 
 
 class Seeding:
@@ -105,40 +109,37 @@ class Seeding:
 
     def carried_clobbers(self, ctx: Reaped, in_body: list[JaxprEqn], eqn: JaxprEqn) -> Reaped:
         """`ctx` with each clobber name new in a scan's body that every iteration
-        sows set before the scan (to its `init`, or zeros a running scan
+        sows set before the scan (to its `init`, or zeros the first iteration
         overwrites), so that the scan carries its last value instead of stacking
-        one per iteration and taking the last."""
+        one per iteration and taking the last. Only where the stack would hold
+        more than `CARRY_ABOVE` elements: a small stack costs less to trace than
+        a carry, and little memory."""
         length = eqn.params["length"]
-        around = sows_around(eqn.params["jaxpr"])
         by_path: dict[SowPath, list[JaxprEqn]] = {}
         for sow_eqn in in_body:
-            by_path.setdefault(path_of(sow_eqn), []).append(sow_eqn)
+            path = path_of(sow_eqn)
+            if path not in ctx.values:
+                by_path.setdefault(path, []).append(sow_eqn)
+        around = None
         for path, sows in by_path.items():
-            if path in ctx.values:
-                continue
-            init = init_of(self.tag, path, in_body)
+            kinds = {
+                tuple(v.aval for v in split_operands(e.params, list(e.invars))[1]) for e in sows
+            }
+            avals = next(iter(kinds))
             if (
-                (init is None and not length)
-                or any(
-                    e.params["mode"] != "clobber"
-                    or e.params["conditional"]
-                    or not all(self._always_sows(path, o) for p in around[id(e)] for o in p)
-                    for e in sows
-                )
-                or len(
-                    {
-                        tuple(v.aval for v in split_operands(e.params, list(e.invars))[1])
-                        for e in sows
-                    }
-                )
-                != 1
-                or not all(
-                    _fillable(v.aval)
-                    for v in split_operands(sows[0].params, list(sows[0].invars))[1]
-                )
+                len(kinds) != 1
+                or length * sum(math.prod(a.shape) for a in avals) <= CARRY_ABOVE
+                or not all(_fillable(a) for a in avals)
+                or any(e.params["mode"] != "clobber" or e.params["conditional"] for e in sows)
             ):
                 continue
-            ctx = self._init_value(ctx, init if init is not None else sows[0], fill=init is None)
+            if around is None:
+                around = sows_around(eqn.params["jaxpr"])
+            if all(self._always_sows(path, o) for e in sows for p in around[id(e)] for o in p):
+                init = init_of(self.tag, path, in_body)
+                ctx = self._init_value(
+                    ctx, init if init is not None else sows[0], fill=init is None
+                )
         return ctx
 
     def _always_sows(self, path: SowPath, outer: JaxprEqn) -> bool:
