@@ -12,6 +12,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from kups.debug import NanSite, nan_sites
+from kups.effects import equations_in
 
 with open(__file__) as _file:
     _LINES = _file.read().splitlines()
@@ -220,6 +221,44 @@ def test_eager_shard_map_without_loops(mesh8, program):
             site("log", "log-in-eager-body", "nan", 2, [], {"i": 0}),
             site("log", "log-in-eager-body", "inf", 1, [], {"i": 2}),
         ]
+
+
+def test_an_equation_that_only_moves_elements_is_not_checked_and_passes_them_on():
+    # Reshapes, a transpose, a negation, a concatenation, a broadcast, a widening
+    # cast and a jit around some of them move the sqrt's NaN: none of them made
+    # it, and the log after them made none (its input held one) until the input
+    # of the sqrt is positive and the log's own NaNs are its own.
+    @jax.jit
+    def moved(a, y):
+        return jnp.concatenate([-a.reshape(2, 2).T.ravel(), y])
+
+    def f(x, y):
+        a = jnp.sqrt(x)  # sqrt-before-moves
+        b = jnp.broadcast_to(moved(a, y).astype(jnp.float32), (3, 6))
+        return jnp.log(b)  # log-after-moves
+
+    y = jnp.array([1.0, 2.0])
+    assert sites_of(f, jnp.array([-1.0, 1.0, 4.0, 9.0]), y) == [
+        site("sqrt", "sqrt-before-moves"),
+    ]
+    assert sites_of(f, jnp.array([1.0, 1.0, 4.0, 9.0]), y) == [site("log", "log-after-moves")]
+    for kinds in (("nan",), ("inf",), ("nan", "inf")):
+        # One reduction per equation that may make one, none for the moves.
+        jaxpr = jax.make_jaxpr(nan_sites(f, kinds=kinds))(jnp.ones(4), y)
+        reductions = [e for e, _ in equations_in(jaxpr.jaxpr) if e.primitive.name == "reduce"]
+        assert len(reductions) == 4, kinds  # the arguments x and y, the sqrt, the log
+
+
+def test_a_cast_that_narrows_or_a_constant_joined_to_data_makes_one():
+    def f(x):
+        small = (x * 1e3).astype(jnp.float16)  # narrowing-cast
+        wide = small.astype(jnp.float32) + 1.0
+        return wide, jnp.concatenate([x, jnp.full(2, jnp.nan)])  # joins-constant-nan
+
+    assert sites_of(f, jnp.array([1.0, 100.0])) == [
+        site("convert_element_type", "narrowing-cast", "inf"),
+        site("concatenate", "joins-constant-nan"),
+    ]
 
 
 def test_vmap_adds_up_the_elements():

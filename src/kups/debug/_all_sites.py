@@ -5,7 +5,7 @@ A recorder of the walk (`_walk.py`), like the one of `report="first"`: one table
 `[count, shard of the first event, iterations of the first event...]`. The
 checks of one run of a jaxpr are added to their sites' counts at once, at its
 end or before a loop or `shard_map` in it: one slice, add and update per run of
-consecutive sites (a check costs no operation of its own). The first event's columns
+nearby sites (a check costs no operation of its own). The first event's columns
 are written when the walk settles a loop body, a `shard_map` body or the
 program: its checks all share one stamp, given at once to every site counted
 there for the first time. The number
@@ -16,6 +16,7 @@ control flow and has a floating output, in every sub-program.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from typing import Any
 
@@ -29,6 +30,10 @@ from kups.effects import equations_in, reduce_shards, sub_jaxprs
 from ._position import _first_shard, _pick
 from ._sites import _is_float_aval
 from ._walk import _Check
+
+# Checks of sites at most this far apart are added to the table in one update
+# (the rows between them get zeros).
+_JOIN_GAP = 16
 
 _CAPACITY: weakref.WeakKeyDictionary[Jaxpr, int] = weakref.WeakKeyDictionary()
 
@@ -70,30 +75,47 @@ class _AllSitesRecorder:
         return self.record_many(record, [_Check(site, flags)])
 
     def record_many(self, record: Any, checks: list[_Check]) -> Any:
-        # The checks of one run of a jaxpr, by runs of consecutive sites: their
-        # flags stacked, masked where an input held one, and added to the table
-        # with one slice and update per run.
+        # The checks of one run of a jaxpr, by runs of nearby sites: their flags
+        # stacked, masked where an input held one, and added to the table with
+        # one slice and update per run. The sites between them (not checked
+        # here) add nothing.
         checks = sorted((c for c in checks if c.site < record.shape[0]), key=lambda c: c.site)
-        kinds = len(self.kinds)
         start = 0
         for end in range(1, len(checks) + 1):
-            if end < len(checks) and checks[end].site == checks[end - 1].site + 1:
+            if end < len(checks) and checks[end].site - checks[end - 1].site <= _JOIN_GAP:
                 continue
-            run, lo = checks[start:end], checks[start].site
-            made = jnp.stack([c.flags[kind] for c in run for kind in self.kinds])
-            made = jax.lax.reshape(made, (len(run), kinds))
-            if any(c.inherited is not None for c in run):
-                no = np.bool_(False)
-                held = jnp.stack([no if c.inherited is None else c.inherited for c in run])
-                fresh = jax.lax.broadcast_in_dim(jax.lax.bitwise_not(held), made.shape, (0,))
-                made = jax.lax.bitwise_and(made, fresh)
-            made = jax.lax.reshape(
-                jax.lax.convert_element_type(made, np.int32), (len(run), kinds, 1)
-            )
-            count = jax.lax.slice(record, (lo, 0, 0), (lo + len(run), kinds, 1))
-            record = jax.lax.dynamic_update_slice(record, count + made, (lo, 0, 0))
+            record = self._add_run(record, checks[start:end])
             start = end
         return record  # sites beyond the table: counted by the walk, which walks again
+
+    def _add_run(self, record: Any, run: list[_Check]) -> Any:
+        """`record` with the flags of `run` (sorted, near each other) added."""
+        lo, hi = run[0].site, run[-1].site + 1
+        no = np.bool_(False)
+        by_site: dict[int, _Check] = {c.site: c for c in run}
+        rows = [by_site.get(site) for site in range(lo, hi)]
+        kinds = len(self.kinds)
+        made = jnp.stack([no if c is None else c.flags[kind] for c in rows for kind in self.kinds])
+        made = jax.lax.reshape(made, (hi - lo, kinds))
+        inputs = max(len(c.inherited) for c in run)
+        if inputs:
+            # Whether an input of each check held one: its inputs' flags side by
+            # side, `or`-ed in this kernel (not one kernel per check).
+            held = jnp.stack(
+                [
+                    c.inherited[i] if c is not None and i < len(c.inherited) else no
+                    for c in rows
+                    for i in range(inputs)
+                ]
+            )
+            held = jax.lax.reshape(held, (hi - lo, inputs))
+            columns = [jax.lax.index_in_dim(held, i, 1, keepdims=False) for i in range(inputs)]
+            held = functools.reduce(jax.lax.bitwise_or, columns)
+            fresh = jax.lax.broadcast_in_dim(jax.lax.bitwise_not(held), made.shape, (0,))
+            made = jax.lax.bitwise_and(made, fresh)
+        made = jax.lax.reshape(jax.lax.convert_element_type(made, np.int32), (hi - lo, kinds, 1))
+        count = jax.lax.slice(record, (lo, 0, 0), (hi, kinds, 1))
+        return jax.lax.dynamic_update_slice(record, count + made, (lo, 0, 0))
 
     def settle(self, record: Any, jaxpr: Jaxpr, stamp: Any) -> Any:
         # Within one run of a loop body (or shard_map body, or the program) every

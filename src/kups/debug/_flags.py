@@ -1,7 +1,8 @@
 """Whether values hold a NaN or an Inf: the flags of a check (`_flags`), and,
 for a recorder that counts only what an equation made itself, whether an
 equation's inputs already held one (`_inherited`), known from the checks that
-made them, carried by a `scan` and passed into calls (`_held_through`)."""
+made them, from the inputs of an equation that only moves their elements
+(`_passes_through`), carried by a `scan` and passed into calls (`_held_through`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from jax.extend.core import JaxprEqn
 from kups.effects import HandlerResult
 
 from ._constants import _constant_equations, _is_literal
-from ._sites import _is_float, scan_layout
+from ._sites import _is_float, scan_layout, widening_cast
 
 
 class _Carried:
@@ -44,11 +45,15 @@ def _or(a: Any, b: Any) -> Any:
     return jax.lax.bitwise_or(a, b)
 
 
-def _flags(values: list[Any], kinds: tuple[str, ...], exact: bool = True) -> dict[str, Any]:
-    """Whether any element of `values` is a NaN / an Inf, for each of `kinds`: one
-    reduction of all the flags at once per value. Not `exact`, the flag of "inf"
-    says whether any element is not finite (one operation less per element)."""
+def _flags(
+    values: list[Any], kinds: tuple[str, ...], exact: bool = True, either: bool = False
+) -> tuple[dict[str, Any], Any]:
+    """Whether any element of `values` is a NaN / an Inf, for each of `kinds`, and
+    (if `either`, else `None`) whether any is of a watched kind: one reduction of
+    all the flags at once per value. Not `exact`, the flag of "inf" says whether
+    any element is not finite (one operation less per element)."""
     found: dict[str, Any] = {}
+    held = None
     for value in values:
         real = not jnp.issubdtype(value.dtype, jnp.complexfloating)
         finite = not exact and real and "inf" in kinds
@@ -62,6 +67,13 @@ def _flags(values: list[Any], kinds: tuple[str, ...], exact: bool = True) -> dic
                 masks.append(_is_nan(value) if kind == "nan" else _is_inf(value))
                 inits.append(np.bool_(False))
                 combine.append(_or)
+        # Exact flags of both kinds: whether either is held is a third output of
+        # the same reduction (an `or` of the two would be a kernel of its own).
+        third = either and exact and len(kinds) == 2
+        if third:
+            masks.append(jax.lax.bitwise_not(jax.lax.is_finite(value)) if real else _or(*masks))
+            inits.append(np.bool_(False))
+            combine.append(_or)
         if value.ndim == 0:
             flags = masks
         else:
@@ -76,9 +88,12 @@ def _flags(values: list[Any], kinds: tuple[str, ...], exact: bool = True) -> dic
         flags = list(flags)
         if finite:
             flags[kinds.index("inf")] = jax.lax.bitwise_not(flags[kinds.index("inf")])
-        for kind, flag in zip(kinds, flags, strict=True):
+        for kind, flag in zip(kinds, flags, strict=False):
             found[kind] = _or(found[kind], flag) if kind in found else flag
-    return found
+        if either:
+            flag = flags[-1] if third else functools.reduce(_or, flags)
+            held = flag if held is None else _or(held, flag)
+    return found, held
 
 
 def _is_nan(value: Any) -> Any:
@@ -90,42 +105,103 @@ def _is_inf(value: Any) -> Any:
     return jax.lax.eq(magnitude, np.array(np.inf, magnitude.dtype))
 
 
+# Primitives whose output holds the elements of their inputs, each unchanged or
+# negated, and all of them (`broadcast_in_dim` may repeat them): it holds a
+# NaN/Inf exactly when an input does, so the equation never makes one.
+_MOVES_ELEMENTS = frozenset(
+    {
+        "reshape",
+        "broadcast_in_dim",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "rev",
+        "copy",
+        "copy_p",
+        "neg",
+        "conj",
+        "concatenate",
+    }
+)
+
+
+class _Same:
+    """The flag of a value that holds a NaN/Inf exactly when one of `inputs`
+    (`(var, value)` pairs) does: found from theirs when first needed."""
+
+    def __init__(self, inputs: tuple[tuple[Any, Any], ...]) -> None:
+        self.inputs = inputs
+
+
+def _passes_through(interpreter: Any, state: Any, eqn: JaxprEqn, invals: list[Any]) -> bool:
+    """For a recorder that counts only what an equation made itself: whether
+    `eqn` only moves the elements of inputs that are not constants (it then makes
+    no NaN/Inf, and is not checked); its outputs then hold one exactly when an
+    input does, which is noted for the equations they feed."""
+    name = eqn.primitive.name
+    real = all(not jnp.issubdtype(v.dtype, jnp.complexfloating) for v in invals if _is_float(v))
+    if not (name in _MOVES_ELEMENTS or widening_cast(eqn) or (name == "abs" and real)):
+        return False
+    frame = state.scope.frame
+    constants = _constant_equations(frame.jaxpr, frame.constant_inputs)[1] if frame else frozenset()
+    if any(_is_literal(var) or var in constants for var in eqn.invars):
+        return False  # a constant NaN/Inf combined with data is made here
+    same = _Same(tuple(zip(eqn.invars, invals, strict=True)))
+    interpreter.held[-1].update(dict.fromkeys(eqn.outvars, same))
+    return True
+
+
+def _known(held: dict[Any, Any], var: Any) -> Any:
+    """The flag of `var` if known without reducing a value, else `None`."""
+    flag = None if _is_literal(var) else held.get(var)
+    if isinstance(flag, _Same):
+        flags = [_known(held, input_var) for input_var, _ in flag.inputs]
+        if any(f is None for f in flags):
+            return None
+        flag = held[var] = functools.reduce(_or, flags)
+    return flag
+
+
 def _inherited(
     interpreter: Any,
     state: Any,
     eqn: JaxprEqn,
     invals: list[Any],
-    flags: dict[str, Any],
+    held_here: Any,
     kinds: tuple[str, ...],
-) -> Any:
-    """Whether an input of `eqn` already held a watched NaN/Inf (judged per
-    array), so that `eqn` made none itself; `None` when no input can. A constant
-    input does not count: the equation that first combines a constant NaN with
-    data made it. `flags` are `eqn`'s own, kept for the equations its outputs
-    feed."""
+) -> tuple[Any, ...]:
+    """Whether each input of `eqn` that may hold a watched NaN/Inf did (judged per
+    array): if one did, `eqn` made none itself. A constant input does not count:
+    the equation that first combines a constant NaN with data made it.
+    `held_here` (whether `eqn`'s outputs hold one) is kept for the equations
+    they feed."""
     held = interpreter.held[-1]
-    held.update(dict.fromkeys(eqn.outvars, functools.reduce(_or, flags.values())))
+    held.update(dict.fromkeys(eqn.outvars, held_here))
     frame = state.scope.frame
     constants = _constant_equations(frame.jaxpr, frame.constant_inputs)[1] if frame else frozenset()
-    inherited = None
-    for var, value in zip(eqn.invars, invals, strict=True):
-        if _is_literal(var) or var in constants or not _is_float(value):
-            continue
-        flag = _held_flag(held, var, value, kinds)
-        inherited = flag if inherited is None else _or(inherited, flag)
-    return inherited
+    return tuple(
+        _held_flag(held, var, value, kinds)
+        for var, value in zip(eqn.invars, invals, strict=True)
+        if not (_is_literal(var) or var in constants or not _is_float(value))
+    )
 
 
 def _held_flag(held: dict[Any, Any], var: Any, value: Any, kinds: tuple[str, ...]) -> Any:
     """Whether `var` (of value `value`) holds any watched NaN/Inf: its flag in
-    `held`, or one reduction of `value` (of `isfinite` with both kinds), kept
-    there for its next use."""
+    `held`, or one reduction of `value`, kept there for its next use."""
     if not _is_literal(var) and var in held:
-        return held[var]
-    both = len(kinds) == 2
+        flag = held[var]
+        if isinstance(flag, _Same):
+            flags = [_held_flag(held, v, value, kinds) for v, value in flag.inputs]
+            flag = held[var] = functools.reduce(_or, flags)
+        return flag
     value = value if hasattr(value, "ndim") else np.asarray(value)  # a Python float
-    probe = _flags([value], ("inf",) if both else kinds, exact=not both)
-    flag = functools.reduce(_or, probe.values())
+    # With both kinds, `not isfinite` alone would say it; but XLA on CPU splits a
+    # reduction of one bool into three kernels, and compiles a reduction of two
+    # at once as one.
+    # With both kinds not exact: two outputs, NaN and not finite, since XLA on
+    # CPU splits a reduction of one bool into three kernels.
+    _, flag = _flags([value], kinds, exact=len(kinds) == 1, either=True)
     if not _is_literal(var):
         held[var] = flag
     return flag
@@ -161,7 +237,7 @@ def _held_through(handler: Any) -> Any:
             carried = _Carried(num_consts, flags)
         else:
             # A call's body takes the flags its inputs already have (no reduction).
-            flags = tuple(None if _is_literal(var) else held.get(var) for var in eqn.invars)
+            flags = tuple(_known(held, var) for var in eqn.invars)
             carried = _Carried(0, flags, loop=False)
         if all(flag is None for flag in flags):
             return handler(interpreter, state, eqn, invals)

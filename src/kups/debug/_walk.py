@@ -42,9 +42,17 @@ from ._constants import (
     _FramingInterpreter,
     _in_frame,
     _is_constant,
-    _is_literal,
 )
-from ._flags import _PLAIN_CALLS, _Carried, _flags, _held_flag, _held_through, _inherited
+from ._flags import (
+    _PLAIN_CALLS,
+    _Carried,
+    _flags,
+    _held_flag,
+    _held_through,
+    _inherited,
+    _known,
+    _passes_through,
+)
 from ._position import _loop_depth
 from ._sites import _is_float, _located, _Scope, _Sites
 
@@ -109,13 +117,13 @@ class _Recorder(Protocol):
 
 class _Check(NamedTuple):
     """A check of `site` that found `flags` (kind to traced bool). For a recorder
-    that counts only what an equation made itself, `inherited` (a traced bool, or
-    `None` when no input can hold one) says that an input already held a watched
-    NaN/Inf, and then the check counts nothing."""
+    that counts only what an equation made itself, `inherited` says whether each
+    input that may hold a watched NaN/Inf did (traced bools): if one did, the
+    check counts nothing."""
 
     site: int
     flags: dict[str, Any]
-    inherited: Any = None
+    inherited: tuple[Any, ...] = ()
 
 
 class _State(NamedTuple):
@@ -194,7 +202,7 @@ class _WalkInterpreter(_FramingInterpreter):
                 )
                 ctx = ctx._replace(carried=_Carried(carried.offset, flags))
             elif carried is not None:
-                known = tuple(None if _is_literal(v) else held.get(v) for v in jaxpr.outvars)
+                known = tuple(_known(held, v) for v in jaxpr.outvars)
                 ctx = ctx._replace(carried=_Carried(0, known, loop=False))
         finally:
             self.held.pop()
@@ -263,17 +271,20 @@ def _check_equation(
     floats = [value for value in outvals if _is_float(value)]
     if not floats or _is_constant(state.scope.frame, eqn):
         return HandlerResult(state, outvals)
+    made_only = interpreter.recorder.made_only
+    if made_only and interpreter.held and _passes_through(interpreter, state, eqn, invals):
+        return HandlerResult(state, outvals)
     site = sites.add(eqn, state)
-    flags = _flags(floats, kinds, exact=interpreter.recorder.made_only)
-    inherited = None
-    if interpreter.recorder.made_only:
-        inherited = _inherited(interpreter, state, eqn, invals, flags, kinds)
+    flags, held = _flags(floats, kinds, exact=made_only, either=made_only)
+    inherited: tuple[Any, ...] = ()
+    if made_only:
+        inherited = _inherited(interpreter, state, eqn, invals, held, kinds)
     if interpreter.recorder.batched:
         # The recorder masks the flags of a whole run at once.
         interpreter.pending[-1].append(_Check(site, flags, inherited))
         return HandlerResult(state, outvals)
-    if inherited is not None:
-        fresh = jax.lax.bitwise_not(inherited)
+    if inherited:
+        fresh = jax.lax.bitwise_not(functools.reduce(jax.lax.bitwise_or, inherited))
         flags = {kind: jax.lax.bitwise_and(flag, fresh) for kind, flag in flags.items()}
     record = interpreter.recorder.record(state.record, site, flags, _stamp(interpreter, state))
     return HandlerResult(state._replace(record=record), outvals)
