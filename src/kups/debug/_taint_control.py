@@ -44,6 +44,7 @@ from ._taint_origin import (
     _is_float_aval,
     _Origin,
     _Taint,
+    fenced,
 )
 from ._taint_rows import (
     MAX_ROWS,
@@ -140,6 +141,7 @@ def _taint_loop(
             for v in eqn.outvars[num_carry:]
         ]
         io = _IO("scan", (len(consts), len(carry), len(xs), len(ys)), (*consts, *carry, *xs, *ys))
+        io = fenced(io)
     else:
         body = eqn.params["body_jaxpr"]
         body = body.jaxpr if isinstance(body, ClosedJaxpr) else body
@@ -154,7 +156,7 @@ def _taint_loop(
             carried_rows(body, body.invars[num_body_consts:], body.outvars),
             length,
         )
-        io = _IO("while", (len(consts), len(carry)), (*consts, *carry))
+        io = fenced(_IO("while", (len(consts), len(carry)), (*consts, *carry)))
     depth = state.scope.loop_depth
     slot = 2 + depth
     start, by = _loop_start(eqn)
@@ -217,7 +219,7 @@ def _taint_cond(interpreter: Any, state: _Taint, eqn: JaxprEqn, invals: list[Any
     rows = [interpreter.rows_of(v) for v in eqn.invars[1:]]
     # A buffer written row by row in the branches keeps its rows (see `_leave`).
     rowed = cond_rows(eqn, [r is not None for r in rows]) if any(rows) else ()
-    inner = state._replace(io=_IO("cond", rowed, with_rows(origins, rows)))
+    inner = state._replace(io=fenced(_IO("cond", rowed, with_rows(origins, rows))))
     return _left(interpreter, state, eqn, default_cond_handler(interpreter, inner, eqn, invals))
 
 
@@ -262,7 +264,9 @@ def _taint_shard_map(
     origins = interpreter.origins_of(eqn.invars, eqn)
     split = tuple(bool(_spec_names(spec) & set(manual)) for spec in eqn.params["in_specs"])
     inner = state._replace(
-        io=_IO("shard_map", (len(origins), len(split)), (*origins, *[_Flag(s) for s in split])),
+        io=fenced(
+            _IO("shard_map", (len(origins), len(split)), (*origins, *[_Flag(s) for s in split]))
+        ),
         here=_shard_indices(state.here, mesh_axes, manual),
         scope=dataclasses.replace(state.scope, manual_axes=scope_axes, mesh_axes=mesh_axes),
     )

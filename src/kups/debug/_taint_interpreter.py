@@ -34,6 +34,7 @@ from ._taint_origin import (
     _shape,
     _Taint,
     _validated,
+    fenced,
 )
 from ._taint_rows import (
     _Rows,
@@ -192,7 +193,7 @@ class _TaintInterpreter(Interpreter):
             None if _is_literal(v) else frame[v] if v in frame else _float_origin(v.aval, _EXTERNAL)
             for v in jaxpr.outvars
         ]
-        left = _leave(io, ctx, jaxpr, out_origins, out_rows)
+        left = fenced(_leave(io, ctx, jaxpr, out_origins, out_rows))
         if io.role == "call" and pieces:
             out_pieces = [None if _is_literal(v) else pieces.get(v) for v in jaxpr.outvars]  # pyright: ignore[reportArgumentType]
             left = _IO(left.role, left.counts, with_pieces(list(left.origins), out_pieces))

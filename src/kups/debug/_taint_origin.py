@@ -126,6 +126,42 @@ def _initial_taint() -> _Taint:
     )
 
 
+def fenced(io: _IO) -> _IO:
+    """`io` with its traced origins computed once, where they cross into or out of
+    a sub-program. An origin is a few scalar operations on the flags of the checks
+    before it; XLA fuses them into whatever uses them, so each origin that leaves
+    separately would compute its history again (the compiled step ran 1.5 times
+    slower). Here they leave packed in one vector (per set of varying manual
+    axes) through one `optimization_barrier`: one kernel computes them all."""
+    leaves, tree = jax.tree.flatten(io.origins, is_leaf=lambda x: isinstance(x, _Origin))
+    groups: dict[Any, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, _Origin) and isinstance(leaf.w, Tracer):
+            axes = {_varying(leaf.w), _varying(leaf.info)}
+            if len(axes) == 1:
+                groups.setdefault(axes.pop(), []).append(i)
+    if not groups:
+        return io
+    for members in groups.values():
+        parts = []
+        for i in members:
+            parts += [jax.lax.broadcast(leaves[i].w, (1,)), jnp.asarray(leaves[i].info)]
+        packed = jax.lax.optimization_barrier(jax.lax.concatenate(parts, 0))
+        start = 0
+        for i in members:
+            width = np.shape(leaves[i].info)[0]
+            w = jax.lax.index_in_dim(packed, start, keepdims=False)
+            info = jax.lax.slice_in_dim(packed, start + 1, start + 1 + width)
+            leaves[i] = _Origin(w, info, leaves[i].external)
+            start += 1 + width
+    return _IO(io.role, io.counts, tuple(jax.tree.unflatten(tree, leaves)))
+
+
+def _varying(value: Any) -> Any:
+    """The manual mesh axes `value` varies over (inside a `shard_map`)."""
+    return getattr(jax.typeof(value), "vma", frozenset())
+
+
 def _float_origin(aval: Any, origin: Any) -> Any:
     return origin if _is_float_aval(aval) else _DATA
 
