@@ -122,12 +122,12 @@ class Seeding:
                 by_path.setdefault(path, []).append(sow_eqn)
         around = None
         for path, sows in by_path.items():
-            kinds = {
+            shapes = {
                 tuple(v.aval for v in split_operands(e.params, list(e.invars))[1]) for e in sows
             }
-            avals = next(iter(kinds))
+            avals = next(iter(shapes))
             if (
-                len(kinds) != 1
+                len(shapes) != 1
                 or length * sum(math.prod(a.shape) for a in avals) <= CARRY_ABOVE
                 or not all(_fillable(a) for a in avals)
                 or any(e.params["mode"] != "clobber" or e.params["conditional"] for e in sows)
