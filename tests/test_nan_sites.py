@@ -261,6 +261,28 @@ def test_a_cast_that_narrows_or_a_constant_joined_to_data_makes_one():
     ]
 
 
+def test_each_call_of_a_jitted_function_counts_its_own_sites():
+    # The checks of a jitted function's body are recorded with the caller's.
+    @jax.jit
+    def g(v):
+        return jnp.log(v) * 2.0  # log-in-jitted
+
+    def f(xs):
+        def step(total, x):
+            return total + g(x).sum() + g(x - 3.0).sum(), jnp.sqrt(x)  # sqrt-beside-calls
+
+        return lax.scan(step, 0.0, xs)
+
+    xs = jnp.array([[1.0, 2.0], [-1.0, 4.0], [0.0, 5.0], [2.0, 3.0]])
+    assert sites_of(f, xs) == [
+        site("log", "log-in-jitted", "nan", 1, [1]),
+        site("log", "log-in-jitted", "inf", 1, [2]),
+        site("log", "log-in-jitted", "nan", 4, [0]),
+        site("log", "log-in-jitted", "inf", 1, [3]),
+        site("sqrt", "sqrt-beside-calls", "nan", 1, [1]),
+    ]
+
+
 def test_vmap_adds_up_the_elements():
     def f(x):
         return jnp.log(x)  # log-vmapped

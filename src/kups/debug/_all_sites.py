@@ -27,9 +27,9 @@ from jax.extend.core import Jaxpr
 
 from kups.effects import equations_in, reduce_shards, sub_jaxprs
 
+from ._flags import _Check
 from ._position import _first_shard, _pick
 from ._sites import _is_float_aval
-from ._walk import _Check
 
 # Checks of sites at most this far apart are added to the table in one update
 # (the rows between them get zeros).

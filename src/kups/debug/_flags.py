@@ -7,7 +7,7 @@ made them, from the inputs of an equation that only moves their elements
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,24 +20,54 @@ from ._constants import _constant_equations, _is_literal
 from ._sites import _is_float, scan_layout, widening_cast
 
 
+class _Check(NamedTuple):
+    """A check of `site` that found `flags` (kind to traced bool). For a recorder
+    that counts only what an equation made itself, `inherited` says whether each
+    input that may hold a watched NaN/Inf did (traced bools): if one did, the
+    check counts nothing."""
+
+    site: int
+    flags: dict[str, Any]
+    inherited: tuple[Any, ...] = ()
+
+
 class _Carried:
     """For a recorder that counts only what an equation made itself: whether each
     input of a sub-program from `offset` on held a watched NaN/Inf (a traced
     bool, or `None`), so that the sub-program does not reduce it again. For a
     `scan` (`loop`) they are its carries, and the body gives them back for its
     carry outputs (the loop carries them); for a call, the body gives back the
-    flags it knows of its outputs."""
+    flags it knows of its outputs, and the `checks` it made that are not yet in
+    the record (the caller records them with its own)."""
 
-    def __init__(self, offset: int, flags: tuple[Any, ...], loop: bool = True) -> None:
+    def __init__(
+        self,
+        offset: int,
+        flags: tuple[Any, ...],
+        loop: bool = True,
+        checks: tuple[_Check, ...] = (),
+    ) -> None:
         self.offset = offset
         self.flags = flags
         self.loop = loop
+        self.checks = checks
 
 
 jax.tree_util.register_pytree_node(
     _Carried,
-    lambda c: (c.flags, (c.offset, c.loop)),
-    lambda aux, flags: _Carried(aux[0], tuple(flags), aux[1]),
+    lambda c: (
+        (c.flags, tuple((check.flags, check.inherited) for check in c.checks)),
+        (c.offset, c.loop, tuple(check.site for check in c.checks)),
+    ),
+    lambda aux, children: _Carried(
+        aux[0],
+        tuple(children[0]),
+        aux[1],
+        tuple(
+            _Check(site, flags, tuple(inherited))
+            for site, (flags, inherited) in zip(aux[2], children[1], strict=True)
+        ),
+    ),
 )
 
 
@@ -236,10 +266,14 @@ def _held_through(handler: Any) -> Any:
             )
             carried = _Carried(num_consts, flags)
         else:
-            # A call's body takes the flags its inputs already have (no reduction).
+            # A call's body takes the flags its inputs already have (no reduction),
+            # and, for a recorder that takes its checks in batches, gives back
+            # its last checks to be recorded with the caller's.
             flags = tuple(_known(held, var) for var in eqn.invars)
             carried = _Carried(0, flags, loop=False)
-        if all(flag is None for flag in flags):
+        if all(flag is None for flag in flags) and not (
+            eqn.primitive.name != "scan" and interpreter.recorder.batched
+        ):
             return handler(interpreter, state, eqn, invals)
         result = handler(interpreter, state._replace(carried=carried), eqn, invals)
         after = result.ctx.carried
@@ -247,6 +281,7 @@ def _held_through(handler: Any) -> Any:
             for var, flag in zip(eqn.outvars, after.flags, strict=False):
                 if flag is not None:
                     held[var] = flag
+            interpreter.pending[-1].extend(after.checks)
         return HandlerResult(result.ctx._replace(carried=None), result.outvals)
 
     return through

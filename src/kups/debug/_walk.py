@@ -46,6 +46,7 @@ from ._constants import (
 from ._flags import (
     _PLAIN_CALLS,
     _Carried,
+    _Check,
     _flags,
     _held_flag,
     _held_through,
@@ -113,17 +114,6 @@ class _Recorder(Protocol):
         """`record` at the end of `jaxpr`, a program, a loop body or a `shard_map`
         body (where the stamp changes next), whose equations ran at `stamp`."""
         ...
-
-
-class _Check(NamedTuple):
-    """A check of `site` that found `flags` (kind to traced bool). For a recorder
-    that counts only what an equation made itself, `inherited` says whether each
-    input that may hold a watched NaN/Inf did (traced bools): if one did, the
-    check counts nothing."""
-
-    site: int
-    flags: dict[str, Any]
-    inherited: tuple[Any, ...] = ()
 
 
 class _State(NamedTuple):
@@ -194,7 +184,9 @@ class _WalkInterpreter(_FramingInterpreter):
         self.pending.append([])
         try:
             outs, ctx = super().interpret_jaxpr(jaxpr, consts, ctx, args)
-            ctx = self.flush(ctx)
+            handed = carried is not None and not carried.loop and self.recorder.batched
+            if not handed:
+                ctx = self.flush(ctx)
             if carried is not None and carried.loop:
                 flags = tuple(
                     None if flag is None else _held_flag(held, var, value, self.kinds)
@@ -203,7 +195,10 @@ class _WalkInterpreter(_FramingInterpreter):
                 ctx = ctx._replace(carried=_Carried(carried.offset, flags))
             elif carried is not None:
                 known = tuple(_known(held, v) for v in jaxpr.outvars)
-                ctx = ctx._replace(carried=_Carried(0, known, loop=False))
+                # A call's last checks are recorded with the caller's: one update
+                # of the record, not one per call.
+                checks = tuple(self.pending[-1]) if handed else ()
+                ctx = ctx._replace(carried=_Carried(0, known, loop=False, checks=checks))
         finally:
             self.held.pop()
             self.levels.pop()
