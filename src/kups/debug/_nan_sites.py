@@ -195,9 +195,10 @@ def nan_sites(
     It checks what `find_nans(fn, report="first")` checks (every floating output
     of every equation, through `jit`, `scan`, `while_loop`, `cond`, `checkpoint`,
     custom derivatives and `shard_map`; values computed from constants alone are
-    not checked) and costs no more: it keeps a count per equation instead of the
-    first event only, and writes the first events' iterations and shards once
-    per loop step.
+    not checked, nor equations that only move elements, such as `reshape` or
+    `concatenate`, which cannot make one) and costs about as much: it keeps a
+    count per equation instead of the first event only, and writes the first
+    events' iterations and shards once per loop step.
 
     **Arguments:**
 
