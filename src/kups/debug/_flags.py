@@ -176,7 +176,7 @@ def _passes_through(interpreter: Any, state: Any, eqn: JaxprEqn, invals: list[An
     constants = _constant_equations(frame.jaxpr, frame.constant_inputs)[1] if frame else frozenset()
     if any(_is_literal(var) or var in constants for var in eqn.invars):
         return False  # a constant NaN/Inf combined with data is made here
-    same = _Same(tuple(zip(eqn.invars, invals, strict=True)))
+    same = _Same(tuple((v, x) for v, x in zip(eqn.invars, invals, strict=True) if _is_float(x)))
     interpreter.held[-1].update(dict.fromkeys(eqn.outvars, same))
     return True
 
