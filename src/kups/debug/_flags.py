@@ -169,8 +169,7 @@ def _passes_through(interpreter: Any, state: Any, eqn: JaxprEqn, invals: list[An
     no NaN/Inf, and is not checked); its outputs then hold one exactly when an
     input does, which is noted for the equations they feed."""
     name = eqn.primitive.name
-    real = all(not jnp.issubdtype(v.dtype, jnp.complexfloating) for v in invals if _is_float(v))
-    if not (name in _MOVES_ELEMENTS or widening_cast(eqn) or (name == "abs" and real)):
+    if not (name in _MOVES_ELEMENTS or widening_cast(eqn) or (name == "abs" and _real(invals))):
         return False
     frame = state.scope.frame
     constants = _constant_equations(frame.jaxpr, frame.constant_inputs)[1] if frame else frozenset()
@@ -179,6 +178,10 @@ def _passes_through(interpreter: Any, state: Any, eqn: JaxprEqn, invals: list[An
     same = _Same(tuple((v, x) for v, x in zip(eqn.invars, invals, strict=True) if _is_float(x)))
     interpreter.held[-1].update(dict.fromkeys(eqn.outvars, same))
     return True
+
+
+def _real(values: list[Any]) -> bool:
+    return all(not jnp.issubdtype(v.dtype, jnp.complexfloating) for v in values if _is_float(v))
 
 
 def _known(held: dict[Any, Any], var: Any) -> Any:
@@ -265,15 +268,15 @@ def _held_through(handler: Any) -> Any:
                 for i in carries
             )
             carried = _Carried(num_consts, flags)
+            useful = any(flag is not None for flag in flags)
         else:
             # A call's body takes the flags its inputs already have (no reduction),
             # and, for a recorder that takes its checks in batches, gives back
             # its last checks to be recorded with the caller's.
             flags = tuple(_known(held, var) for var in eqn.invars)
             carried = _Carried(0, flags, loop=False)
-        if all(flag is None for flag in flags) and not (
-            eqn.primitive.name != "scan" and interpreter.recorder.batched
-        ):
+            useful = interpreter.recorder.batched or any(flag is not None for flag in flags)
+        if not useful:
             return handler(interpreter, state, eqn, invals)
         result = handler(interpreter, state._replace(carried=carried), eqn, invals)
         after = result.ctx.carried
