@@ -361,6 +361,58 @@ def test_check_fails_and_passes(where, how):
         assert_reusable(error, args[0])
 
 
+@pytest.mark.parametrize("how", CALLS)
+def test_automatic_checks_locate_the_failing_element_of_sharded_arrays(how):
+    """A division, an integer division and a gather on arrays sharded over
+    Explicit axes (an optimizer step on sharded parameters, say): the checks find
+    the first failing element without flattening the sharded flags."""
+    from kups.checks import div_checks, index_checks
+
+    errors = div_checks | index_checks
+
+    def fn(a, b, i, table):
+        quotient = a / b  # sharded div
+        steps = jnp.floor_divide(i, 2)
+        row = table.at[i].get(out_sharding=on("x"))  # sharded gather
+        return quotient, steps, row
+
+    a = placed(np.ones((4, 8)), None, "y")
+    b = placed(np.full((4, 8), 2.0), None, "y")
+    i = jax.device_put(jnp.arange(8, dtype=jnp.int32), on("x"))
+    table = placed(np.arange(8.0), None)
+    out, error = call(checked(fn, errors=errors), how, a, b, i, table)
+    for got, want in zip(out, call(fn, "jit", a, b, i, table), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert error.get() is None
+    # A zero divisor at [2, 5] and at [3, 1]: the first in row-major order.
+    divisor = np.full((4, 8), 2.0)
+    divisor[2, 5] = divisor[3, 1] = 0.0
+    b = placed(divisor, None, "y")
+    _, error = call(checked(fn, errors=errors), how, a, b, i, table)
+    assert error.message == "division by zero in 'div' (divisor element [2 5])"
+    assert error.source == at("sharded div")
+    # Index 9 at position 6 of the sharded indices (8 is past the table too).
+    i = jax.device_put(jnp.array([0, 1, 2, 3, 4, 5, 9, 8], jnp.int32), on("x"))
+    ones = placed(np.ones((4, 8)), None, "y")
+    _, error = call(checked(fn, errors=errors), how, a, ones, i, table)
+    assert error.message.startswith("out-of-bounds index 9 on axis 0")
+    assert error.source == at("sharded gather")
+
+
+def test_a_vmapped_check_on_sharded_values_names_the_first_failing_element():
+    def f(v):
+        check(v > 0, "negative {v}", v=v)
+        return v * 2.0
+
+    values = np.ones((4, 8))
+    values[1, 6], values[2, 0] = -1.0, -2.0
+    x = placed(values, None, "y")
+    for fn in (checked(jax.vmap(jax.vmap(f))), jax.jit(checked(jax.vmap(jax.vmap(f))))):
+        out, error = fn(x)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(x) * 2.0)
+        assert error.get().startswith("negative -1.0 at vmap index (1, 6) (")
+
+
 # ---------------------------------------------------------------------------
 # debug: find_nans
 # ---------------------------------------------------------------------------

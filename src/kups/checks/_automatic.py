@@ -22,6 +22,7 @@ from jax.extend.core import JaxprEqn
 from kups.effects import source_of
 
 from ._check import _FORMATTER, _scalar
+from ._first import first_true, unravel, value_at
 
 user_checks: frozenset[str] = frozenset({"user"})
 """A `check(pred, ...)` whose predicate is false."""
@@ -210,10 +211,10 @@ def _out_of_bounds(
     # A bound past the index dtype's range is one no index of that dtype passes.
     bound = np.minimum(upper, np.iinfo(indices.dtype).max).astype(indices.dtype)
     outside = jnp.logical_or(indices < 0, indices > bound)
-    first = jnp.argmax(outside.reshape(-1))
+    first, flat = first_true(outside)
     entry = first % len(layout.operand_axes)
     payload = [
-        indices.reshape(-1)[first].astype(jnp.int32),
+        value_at(indices, flat, first, indices.ndim).astype(jnp.int32),
         jnp.asarray(layout.operand_axes, jnp.int32)[entry],
         jnp.asarray(upper, jnp.int32)[entry],
     ]
@@ -227,8 +228,8 @@ def _zero_divisor(
     zero = jnp.asarray(invals[1]) == 0
     if not zero.ndim:
         return zero, []
-    first = jnp.unravel_index(jnp.argmax(zero.reshape(-1)), zero.shape)
-    return jnp.any(zero), [jnp.stack(first).astype(jnp.int32)]
+    first, _ = first_true(zero)
+    return jnp.any(zero), [unravel(first, zero.shape)]
 
 
 def _new_nan(

@@ -35,6 +35,7 @@ from kups.effects import (
 
 from ._automatic import _CONDITIONS, _automatic_checks
 from ._error import _Site, _Slot
+from ._first import first_true, unravel, value_at
 from ._sites import _batch_ndim, _located, _relative_sites, _sites_in
 
 
@@ -106,9 +107,9 @@ def _check_handler(
     site = ctx.site(eqn.params["site"], _batch_ndim(eqn))
     batch = None
     if site.batch_ndim:  # under vmap (see `_batch_check`): the first failing element
-        first = jnp.argmin(pred.reshape(-1))
-        values = [value.reshape(-1, *value.shape[site.batch_ndim :])[first] for value in values]
-        batch = jnp.stack(jnp.unravel_index(first, pred.shape)).astype(jnp.int32)
+        first, flat = first_true(jnp.logical_not(pred))
+        values = [value_at(value, flat, first, site.batch_ndim) for value in values]
+        batch = unravel(first, pred.shape)
         pred = jnp.all(pred)
     ctx = _record(ctx, site, jnp.logical_not(pred), values, batch)
     return HandlerResult(ctx, list(invals))
