@@ -1533,6 +1533,52 @@ def test_nan_in_an_argument_is_reported_at_the_first_equation_using_it():
     expect(report_of(f, x), "reduce_sum", "sum-of-arg")
 
 
+@pytest.mark.parametrize("report", ["reaching", "first"])
+def test_nan_in_an_argument_is_not_blamed_on_an_equation_that_only_moves_it(report):
+    def f(b, x):
+        row = jnp.reshape(b, (1, -1))  # moves the argument
+        return jnp.tanh(x @ jnp.ones((3, 3)) + row)  # computes-with-arg
+
+    b = jnp.array([jnp.nan, 0.0, 0.0])
+    expect(report_of(f, b, jnp.ones((2, 3)), report=report), "add", "computes-with-arg")
+
+    def scanned(c0):
+        def body(c, _):
+            moved = c.reshape(2, 2).T.reshape(4)
+            return moved * 2.0, None  # carried-arg
+
+        return lax.scan(body, c0, None, length=3)[0]
+
+    x = jnp.array([1.0, jnp.nan, 2.0, 3.0])
+    expect(report_of(scanned, x, report=report), "mul", "carried-arg", iterations=(0,))
+
+    def joined(a, b):
+        return jnp.concatenate([a, b]) + 1.0  # joined-arg
+
+    expect(report_of(joined, x, jnp.ones(2), report=report), "add", "joined-arg")
+    # Only moved to the output: no equation computed with it, nothing is reported.
+    assert report_of(lambda x: x.reshape(2, 2).T, x, report=report).found is False
+
+
+@pytest.mark.parametrize("report", ["reaching", "first"])
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_inf_in_a_shard_map_argument_is_not_blamed_on_the_pvary_jax_inserts(report, axis_type):
+    from jax.sharding import AxisType
+
+    kind = AxisType.Auto if axis_type == "auto" else AxisType.Explicit
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(kind, kind))
+
+    def body(x, w):
+        return lax.psum(jnp.sin(x @ w), "model")  # sharded-matmul
+
+    g = jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P(None, "model")), out_specs=P("data"))
+    x = jax.device_put(jnp.ones((8, 4)).at[5, 0].set(jnp.inf), jax.NamedSharding(mesh, P("data")))
+    w = jax.device_put(jnp.ones((4, 4)), jax.NamedSharding(mesh, P(None, "model")))
+    with jax.set_mesh(mesh):
+        found = report_of(g, x, w, report=report)
+    expect(found, "dot_general", "sharded-matmul", kind="inf", shard={"data": 2, "model": 0})
+
+
 def test_invalid_report_is_a_clear_error():
     with pytest.raises(ValueError, match=r"'reaching', 'first'"):
         find_nans(jnp.sin, report="last")

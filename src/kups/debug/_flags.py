@@ -18,6 +18,7 @@ from kups.effects import HandlerResult
 
 from ._constants import _constant_equations, _is_literal
 from ._sites import _is_float, scan_layout, widening_cast
+from ._taint_tables import _MOVES
 
 
 class _Check(NamedTuple):
@@ -171,13 +172,26 @@ def _passes_through(interpreter: Any, state: Any, eqn: JaxprEqn, invals: list[An
     name = eqn.primitive.name
     if not (name in _MOVES_ELEMENTS or widening_cast(eqn) or (name == "abs" and _real(invals))):
         return False
-    frame = state.scope.frame
-    constants = _constant_equations(frame.jaxpr, frame.constant_inputs)[1] if frame else frozenset()
-    if any(_is_literal(var) or var in constants for var in eqn.invars):
+    if _reads_constants(state, eqn):
         return False  # a constant NaN/Inf combined with data is made here
     same = _Same(tuple((v, x) for v, x in zip(eqn.invars, invals, strict=True) if _is_float(x)))
     interpreter.held[-1].update(dict.fromkeys(eqn.outvars, same))
     return True
+
+
+def _moves_data(state: Any, eqn: JaxprEqn) -> bool:
+    """For `report="first"`: whether `eqn` only moves values that are not
+    constants. It is not checked: a NaN/Inf that an argument held is first seen
+    at the equation that computes with it (one made in the program was found
+    where it was made)."""
+    return eqn.primitive.name in _MOVES and not _reads_constants(state, eqn)
+
+
+def _reads_constants(state: Any, eqn: JaxprEqn) -> bool:
+    """Whether an input of `eqn` is a literal or a constant of the program."""
+    frame = state.scope.frame
+    constants = _constant_equations(frame.jaxpr, frame.constant_inputs)[1] if frame else frozenset()
+    return any(_is_literal(var) or var in constants for var in eqn.invars)
 
 
 def _real(values: list[Any]) -> bool:

@@ -54,6 +54,7 @@ from ._taint_tables import (
     _COLLECTIVES,
     _ELEMENTWISE,
     _FILTERS,
+    _MOVES,
     _OVERWRITES,
     _PER_OPERAND,
     _TRANSPARENT,
@@ -258,12 +259,20 @@ def _propagate(
             continue
         inputs = [j] if name in _PER_OPERAND else floats_in
         traced = [origins[i] for i in inputs if isinstance(origins[i], _Origin)]
-        unknown = any(
-            origins[i] is _EXTERNAL
-            or (isinstance(origins[i], _Origin) and origins[i].external)
-            or (origins[i] is None and not _concrete_finite(invals[i], sites.kinds))
+        external = any(
+            origins[i] is _EXTERNAL or (isinstance(origins[i], _Origin) and origins[i].external)
             for i in inputs
         )
+        constant = any(
+            origins[i] is None and not _concrete_finite(invals[i], sites.kinds) for i in inputs
+        )
+        if name in _MOVES and external and not constant and not collective:
+            # Moving what an argument may hold is not computing with it: the
+            # equation that does is where its NaN/Inf is first seen.
+            moved = _earliest(traced) if traced else None
+            out_origins.append(_EXTERNAL if moved is None else _Origin(moved.w, moved.info, True))
+            continue
+        unknown = external or constant
         kind = "create" if collective else _class_of(eqn, invals, outval, sites.kinds)
         if name in _OVERWRITES and len(traced) > 1:
             traced = _survivors(eqn, invals, origins, sites.kinds)

@@ -33,6 +33,28 @@ _TRANSPARENT = frozenset(
 )
 
 
+# Equations that only move values (no arithmetic): a NaN/Inf of an argument that
+# they pass on is first seen at the equation that computes with it, not here.
+_MOVES = frozenset(
+    {
+        "reshape",
+        "broadcast_in_dim",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "copy",
+        "copy_p",
+        "rev",
+        "concatenate",
+        "pvary",
+        "pcast",
+        "sharding_constraint",
+        "mesh_cast",
+        "reshard",
+    }
+)
+
+
 # Equations that cannot make a NaN/Inf out of finite inputs, but can drop one:
 # their output is checked and inherits its inputs' origin. (Not `gather`: out of
 # bounds, `mode="fill"` fills with NaN.)

@@ -52,6 +52,7 @@ from ._flags import (
     _held_through,
     _inherited,
     _known,
+    _moves_data,
     _passes_through,
 )
 from ._position import _loop_depth
@@ -268,6 +269,8 @@ def _check_equation(
         return HandlerResult(state, outvals)
     made_only = interpreter.recorder.made_only
     if made_only and interpreter.held and _passes_through(interpreter, state, eqn, invals):
+        return HandlerResult(state, outvals)
+    if not made_only and _moves_data(state, eqn):
         return HandlerResult(state, outvals)
     site = sites.add(eqn, state)
     flags, held = _flags(floats, kinds, exact=made_only, either=made_only)
