@@ -221,10 +221,12 @@ def dfx() -> ModuleType:
     return library("diffrax", "diffrax")
 
 
-def ode_solver(dfx: ModuleType, vector_field: Callable[..., Any]) -> Callable[..., Any]:
+def ode_solver(
+    dfx: ModuleType, vector_field: Callable[..., Any], adjoint: Any = None
+) -> Callable[..., Any]:
     """Tsit5 with a PID step-size controller from t=0 to t=2, the solution at
     t=2 and the solver's statistics; the default adjoint
-    (RecursiveCheckpointAdjoint)."""
+    (RecursiveCheckpointAdjoint) unless `adjoint` is given."""
 
     def solve(y0: jax.Array, k: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
         solution = dfx.diffeqsolve(
@@ -238,6 +240,7 @@ def ode_solver(dfx: ModuleType, vector_field: Callable[..., Any]) -> Callable[..
             stepsize_controller=dfx.PIDController(rtol=1e-5, atol=1e-5),
             saveat=dfx.SaveAt(t1=True),
             max_steps=64,
+            adjoint=dfx.RecursiveCheckpointAdjoint() if adjoint is None else adjoint,
         )
         return solution.ys, solution.stats
 
@@ -307,6 +310,13 @@ def test_diffrax_sow_in_vector_field(dfx: ModuleType) -> None:
     assert_trees_equal(ys, ode_solver(dfx, decay)(*ODE_ARGS)[0], "reaped outputs")
     # Tsit5's last stage of the last step is at the step's end: t1.
     assert_trees_equal(reaped, {"t": jnp.float32(2.0)}, "reaped")
+    # DirectAdjoint runs equinox's bounded while loop, a scan of conds whose last
+    # iterations do not step: the last sown value still wins, under jit too.
+    direct = reap(ode_solver(dfx, vector_field, dfx.DirectAdjoint()), tag="ode")
+    for fn in (direct, jax.jit(direct)):
+        (ys, _), reaped = fn(*ODE_ARGS)
+        assert_trees_equal(ys, ode_solver(dfx, decay, dfx.DirectAdjoint())(*ODE_ARGS)[0], "ys")
+        assert_trees_equal(reaped, {"t": jnp.float32(2.0)}, "reaped with DirectAdjoint")
 
 
 def implicit_solver(

@@ -11,6 +11,7 @@ import re
 import textwrap
 import warnings
 
+import equinox.internal as eqxi
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -1838,14 +1839,14 @@ def test_reap_nested_while_values_are_those_without_the_shortcut(monkeypatch, ar
     assert_tree_close(results[0][3][0], jax.jit(f, static_argnums=1)(jnp.float32(0.5), 3))
 
 
-def test_reap_nested_while_keeps_the_error_of_a_name_one_branch_sows():
-    # A name sown in only one branch of a cond inside the loop is not started
-    # at its init: the error that it has no value in the other branch stays.
-    def f(x):
+def test_reap_nested_while_a_name_one_branch_sows_starts_at_its_init():
+    # A name sown with init= in only one branch of a cond inside the loop: the
+    # other branch leaves it as it was, its init before any sow.
+    def f(x, start):
         def body(state):
             i, v = state
             v = lax.cond(
-                i > 1,
+                i > start,
                 lambda v: sow(v + 1.0, tag="t", name="v", mode="clobber", init=0.0),
                 lambda v: v,
                 v,
@@ -1854,14 +1855,16 @@ def test_reap_nested_while_keeps_the_error_of_a_name_one_branch_sows():
 
         return lax.while_loop(lambda s: s[0] < 3, body, (0, x))[1]
 
-    with pytest.raises(ValueError, match="but not in branch 0"):
-        reap(f, tag="t")(jnp.float32(0.5))
+    for start, expected in ((1, 1.5), (0, 2.5), (5, 0.0)):
+        for fn in (reap(f, tag="t"), jax.jit(reap(f, tag="t"))):
+            out, reaped = fn(jnp.float32(0.5), start)
+            assert_tree_close(out, f(jnp.float32(0.5), start))
+            assert_tree_close(reaped["v"], jnp.float32(expected))
 
 
-def test_reap_nested_while_checks_every_place_a_shared_body_runs():
+def test_reap_nested_while_a_shared_body_sown_in_a_branch_and_directly():
     # One jitted function (one jaxpr) sows in a branch of a cond, where only one
-    # branch sows, and then directly: the carry does not start at the init,
-    # and the cond's error stays.
+    # branch sows, and then directly: the last sow wins.
     leaf = jax.jit(lambda v: sow(v + 1.0, tag="t", name="v", mode="clobber", init=0.0))
 
     def f(x):
@@ -1872,8 +1875,54 @@ def test_reap_nested_while_checks_every_place_a_shared_body_runs():
 
         return lax.while_loop(lambda s: s[0] < 3, body, (0, x))[1]
 
-    with pytest.raises(ValueError, match="but not in branch 0"):
-        reap(f, tag="t")(jnp.float32(0.5))
+    out, reaped = reap(f, tag="t")(jnp.float32(0.5))
+    assert_tree_close(out, jnp.float32(4.5))
+    assert_tree_close(reaped["v"], jnp.float32(4.5))
+
+
+@pytest.mark.parametrize("how", ["eager", "jit", "vmap"])
+def test_reap_a_sow_with_init_in_one_branch_of_a_cond(how):
+    # A cond (alone, in a scan, and in equinox's bounded while loop, which is a
+    # scan of conds): a branch that does not sow leaves the name as it was, its
+    # init before any sow, as a while loop that runs no step does.
+    def step_value(h):
+        return sow(jnp.sin(h), tag="t", name="last", mode="clobber", init=-1.0)
+
+    def alone(p, x):
+        return lax.cond(p > 0, step_value, lambda h: h, x)
+
+    def scanned(p, x):
+        def step(c, _):
+            return lax.cond(c[0] < p, lambda c: (c[0] + 1, step_value(c[1])), lambda c: c, c), None
+
+        return lax.scan(step, (0, x), length=5)[0][1]
+
+    def bounded(p, x):
+        cond = lambda c: c[0] < p  # noqa: E731
+        body = lambda c: (c[0] + 1, step_value(c[1]))  # noqa: E731
+        return eqxi.while_loop(cond, body, (0, x), max_steps=5, kind="bounded")[1]
+
+    def lax_while(p, x):
+        return lax.while_loop(lambda c: c[0] < p, lambda c: (c[0] + 1, step_value(c[1])), (0, x))[1]
+
+    def run(fn, p, x):
+        wrapped = reap(fn, tag="t")
+        if how == "jit":
+            return jax.jit(wrapped)(p, x)
+        if how == "vmap":
+            out, reaped = jax.vmap(wrapped, in_axes=(None, 0))(p, jnp.stack([x, x]))
+            return out[0], {name: value[0] for name, value in reaped.items()}
+        return wrapped(p, x)
+
+    x = jnp.float32(1.0)
+    for fn in (alone, scanned, bounded, lax_while):
+        for p, steps in ((3, 3), (0, 0)):
+            out, reaped = run(fn, p, x)
+            assert_tree_close(out, fn(p, x))
+            expected = x
+            for _ in range(min(steps, 1) if fn is alone else steps):
+                expected = jnp.sin(expected)
+            assert_tree_close(reaped["last"], expected if steps else jnp.float32(-1.0))
 
 
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)

@@ -265,7 +265,8 @@ class Reaper(Seeding):
     ) -> HandlerResult:
         branches = [self.sows(branch) for branch in eqn.params["branches"]]
         in_branches = [e for sows in branches for e in sows]
-        ctx = with_batched(self.seeded(ctx, in_branches, eqn), in_branches)
+        ctx = self.seeded_for_cond(self.seeded(ctx, in_branches, eqn), branches)
+        ctx = with_batched(ctx, in_branches)
         sown = [{path_of(e): e for e in sows} for sows in branches]
         check_cond(self.tag, sown, eqn, ctx.values)
         return default_cond_handler(interpreter, ctx, eqn, invals)

@@ -63,6 +63,8 @@ def check_cond(
                 f"branches of lax.cond are 0: false_fun, 1: true_fun). The "
                 f"taken branch's value is reaped, so when a branch that does not sow "
                 f"it runs, the name has no value; kups does not invent one. Sow it in "
-                f"every branch (same shape and dtype), or sow an initial value with "
-                f"mode='clobber' before the cond."
+                f"every branch (same shape and dtype), give the sow "
+                f"mode='clobber' and init=<number> (the value when a branch that does "
+                f"not sow it runs), or sow an initial value with mode='clobber' before "
+                f"the cond."
             )

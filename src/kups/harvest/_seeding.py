@@ -125,21 +125,47 @@ class Seeding:
             shapes = {
                 tuple(v.aval for v in split_operands(e.params, list(e.invars))[1]) for e in sows
             }
-            avals = next(iter(shapes))
-            if (
-                len(shapes) != 1
-                or length * sum(math.prod(a.shape) for a in avals) <= CARRY_ABOVE
-                or not all(_fillable(a) for a in avals)
-                or any(e.params["mode"] != "clobber" or e.params["conditional"] for e in sows)
+            if len(shapes) != 1 or any(
+                e.params["mode"] != "clobber" or e.params["conditional"] for e in sows
             ):
                 continue
             if around is None:
                 around = sows_around(eqn.params["jaxpr"])
-            if all(self._always_sows(path, o) for e in sows for p in around[id(e)] for o in p):
-                init = init_of(self.tag, path, in_body)
+            init = init_of(self.tag, path, in_body)
+            outer = [o for e in sows for p in around[id(e)] for o in p]
+            every = all(self._always_sows(path, o) for o in outer)
+            if not every:
+                # An iteration may run a cond's branch that does not sow it
+                # (equinox's bounded while loop is a scan of conds): the scan
+                # carries its last value from its init, as a while loop does. (A
+                # loop inside that runs no step still yields the init.)
+                if init is not None and all(
+                    o.primitive.name == "cond" or self._always_sows(path, o) for o in outer
+                ):
+                    ctx = self._init_value(ctx, init)
+                continue
+            avals = next(iter(shapes))
+            if length * sum(math.prod(a.shape) for a in avals) > CARRY_ABOVE and all(
+                _fillable(a) for a in avals
+            ):
                 ctx = self._init_value(
                     ctx, init if init is not None else sows[0], fill=init is None
                 )
+        return ctx
+
+    def seeded_for_cond(self, ctx: Reaped, branches: list[list[JaxprEqn]]) -> Reaped:
+        """`ctx` with each clobber name that some branch of a cond does not sow, and
+        that has no value yet, set to its sow's `init` (what the name holds when a
+        branch that does not sow it runs)."""
+        for path in {path_of(e) for sows in branches for e in sows} - set(ctx.values):
+            if all(any(path_of(e) == path for e in sows) for sows in branches):
+                continue
+            in_branches = [e for sows in branches for e in sows if path_of(e) == path]
+            init = init_of(self.tag, path, in_branches)
+            if init is not None and all(
+                e.params["mode"] == "clobber" and not e.params["conditional"] for e in in_branches
+            ):
+                ctx = self._init_value(ctx, init)
         return ctx
 
     def _always_sows(self, path: SowPath, outer: JaxprEqn) -> bool:

@@ -76,12 +76,13 @@ def sow(
     - `mode`: `"strict"` (the name is sown at most once per call), `"clobber"`
       (the last sow wins) or `"append"` (inside `scan`: one value per
       iteration, stacked along the iterations like the scan's outputs).
-    - `init`: only with `mode="clobber"`, for a sow inside a loop. A number:
-      what `reap` returns for the name when the `while_loop` (or `scan`) in
-      which it is first sown runs zero times, filled into the shape and dtype
-      of the sown value (every leaf). Without it, a name first sown inside a
-      `while_loop` is an error, and one first sown in a zero-length `scan` is
-      left out. A value sown before the loop takes precedence.
+    - `init`: only with `mode="clobber"`, for a sow inside a loop or a `cond`
+      branch. A number: what `reap` returns for the name when the `while_loop`
+      (or `scan`) in which it is first sown runs zero times, or when a branch
+      that does not sow it runs, filled into the shape and dtype of the sown
+      value (every leaf). Without it, a name first sown inside a `while_loop`
+      or in only some branches of a `cond` is an error, and one first sown in a
+      zero-length `scan` is left out. A value sown before takes precedence.
 
     **Returns:**
 
