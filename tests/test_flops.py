@@ -87,6 +87,30 @@ def test_matmul_by_hand():
     assert cost.by_primitive == {"dot_general": (1024, 0, 896)}
 
 
+def test_a_sow_and_a_check_cost_nothing():
+    from kups.checks import check
+    from kups.harvest import sow
+
+    def plain(x):
+        return x * 2.0
+
+    def instrumented(x):
+        x = sow(x, tag="t", name="x")
+        check(x[0] > -1.0, "negative")
+        return x * 2.0
+
+    x = jnp.ones(1000)
+    _, cost = count_flops(instrumented)(x)
+    _, plain_cost = count_flops(plain)(x)
+    # The effects are listed, at no cost; the predicate's operations count.
+    assert cost.by_primitive["kups_sow"] == (0, 0, 0)
+    assert cost.by_primitive["kups_check"] == (0, 0, 0)
+    assert cost.by_primitive["mul"] == plain_cost.by_primitive["mul"]
+    others = {k: v for k, v in cost.by_primitive.items() if not k.startswith("kups_")}
+    assert set(others) == {"mul", "slice", "squeeze", "gt"}
+    assert cost.bytes_accessed == sum(v[2] for v in others.values())
+
+
 def test_by_primitive_sums_to_the_totals():
     fn, args = GRAD_MLP
     _, cost = count_flops(fn)(*args)

@@ -5,6 +5,7 @@ from ._dispatcher import Dispatcher as Dispatcher
 from ._dispatcher import Handler as Handler
 from ._dispatcher import StaleTraceWarning as StaleTraceWarning
 from ._effect import define_effect as define_effect
+from ._effect import is_effect as is_effect
 from ._equations import shard_map_axes as shard_map_axes
 from ._equations import source_line as source_line
 from ._equations import source_location as source_location
@@ -95,6 +96,7 @@ __all__ = [
     "first_across_shards",
     "first_index",
     "hide_frames",
+    "is_effect",
     "is_library_primitive",
     "reduce_shards",
     "reinterpret",

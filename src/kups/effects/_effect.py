@@ -148,6 +148,26 @@ class EffectPrimitive(Primitive):
         return super().bind(*args, **params)
 
 
+def is_effect(primitive: Any) -> bool:
+    """Whether `primitive` was made by `define_effect`.
+
+    An effect is an identity on arrays that only an interpreter gives a meaning
+    to; it adds nothing to the compiled program. A cost model, say, counts
+    nothing for it.
+
+    **Example:**
+
+    ```python
+    import jax
+    from kups.effects import define_effect, is_effect
+
+    note = define_effect("note")
+    assert is_effect(note) and not is_effect(jax.lax.sin_p)
+    ```
+    """
+    return isinstance(primitive, EffectPrimitive)
+
+
 def define_effect(name: str) -> Primitive:
     """Makes a new effect primitive: an identity on arrays that JAX never
     removes while an interpreter could still see it.

@@ -8,7 +8,13 @@ from typing import Any
 
 from jax.extend.core import JaxprEqn
 
-from kups.effects import InterpreterPolicy, check_policy, stage_eagerly, wraps_with_leading
+from kups.effects import (
+    InterpreterPolicy,
+    check_policy,
+    is_effect,
+    stage_eagerly,
+    wraps_with_leading,
+)
 
 from ._cost import Cost, CostKey
 from ._cost_model import equation_cost
@@ -18,6 +24,9 @@ from ._tally import count_executions
 def cost_key(eqn: JaxprEqn) -> CostKey:
     """The key of `count_flops`: the primitive's name and the cost of one execution
     (equations of the same name and cost share a count)."""
+    if is_effect(eqn.primitive):
+        # A sow or a check: an identity the compiled program does not hold.
+        return (eqn.primitive.name, 0, 0, 0)
     flops, transcendentals, bytes_accessed = equation_cost(eqn)
     return (eqn.primitive.name, flops, transcendentals, bytes_accessed)
 
@@ -51,7 +60,10 @@ def count_flops(
       no FLOPs;
     - bytes accessed: the bytes of the operands and the outputs (a slice, a
       gather, `dynamic_update_slice` and scatter only the part they touch). XLA's
-      own figure, after fusion, is lower: fused intermediates never reach memory.
+      own figure, after fusion, is lower: fused intermediates never reach memory;
+    - effects (a `sow`, a `check`, any `define_effect` primitive): nothing, as
+      they add nothing to the compiled program (they appear in `by_primitive`
+      with zero cost; the operations that compute a check's predicate count).
 
     **Arguments:**
 
