@@ -193,3 +193,45 @@ def test_reap_grads_checks_its_arguments():
         reap_grads(lambda x: x, tag="g", has_aux=1)
     with pytest.raises(TypeError, match="not hashable"):
         reap_grads(lambda x: x, tag=["g"])
+
+
+def _custom_functions():
+    """A `custom_jvp` and a `custom_vjp` function whose body sows its scale."""
+
+    @jax.custom_jvp
+    def by_jvp(x):
+        return x * sow(jnp.float32(1.0), tag="knob", name="scale")
+
+    by_jvp.defjvp(lambda primals, tangents: (by_jvp(primals[0]), tangents[0]))
+
+    @jax.custom_vjp
+    def by_vjp(x):
+        return x * sow(jnp.float32(1.0), tag="knob", name="scale")
+
+    by_vjp.defvjp(lambda x: (by_vjp(x), None), lambda _, ct: (ct,))
+    return {"custom_jvp": by_jvp, "custom_vjp": by_vjp}
+
+
+@pytest.mark.parametrize("kind", ["custom_jvp", "custom_vjp"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_planted_value_read_inside_a_custom_derivative_is_not_differentiated_silently(kind, jit):
+    from kups.harvest import plant
+
+    fn = _custom_functions()[kind]
+
+    def planted(scale, x):
+        return plant(fn, tag="knob")({"scale": scale}, x)
+
+    wrap = jax.jit if jit else (lambda f: f)
+    scale, x = jnp.float32(5.0), jnp.float32(3.0)
+    assert wrap(planted)(scale, x) == 15.0
+    # With respect to the argument: the user's rule (which says 1).
+    assert wrap(jax.grad(planted, argnums=1))(scale, x) == 1.0
+    # With respect to the planted value: the rule does not say; plain JAX refuses
+    # a differentiated value closed over the same way. Not a silent zero.
+    with pytest.raises(ValueError, match=f"differentiating a {kind} function .*`plant`"):
+        wrap(jax.grad(planted))(scale, x)
+    stopped = lambda s, x: planted(lax.stop_gradient(s), x)  # noqa: E731
+    assert wrap(jax.grad(stopped))(scale, x) == 0.0
+    with pytest.raises(ValueError, match=f"differentiating a {kind} function"):
+        reap_grads(lambda x: fn(x) * 2.0, tag="knob")(x)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ from .._interpreter import Interpreter
 from .._matching import is_control_flow
 from .._policy import BackwardPass
 from .._registry import default_handler_for
+from .._source import where
 from .._types import HandlerResult, InterpreterPolicy
 from .._untouched import touched_inside
 from .._validation import check_params
@@ -155,6 +156,43 @@ def _split_perturbed(
     return chosen, merge
 
 
+def _ctx_read_by_outputs(body: TracedBody) -> tuple[bool, ...]:
+    """For each context value the body takes, whether the function's outputs (not
+    the context it returns) are computed from it (a value `plant` gives a sow,
+    say). Followed equation by equation; an equation with a sub-program counts
+    every output as computed from every input."""
+    jaxpr = body.jaxpr
+    num_ctx = body.ctx_in.num_values
+    ctx_vars = jaxpr.invars[body.num_consts : body.num_consts + num_ctx]
+    reached: dict[Any, set[int]] = {v: {i} for i, v in enumerate(ctx_vars)}
+    for eqn in jaxpr.eqns:
+        found: set[int] = set()
+        for v in eqn.invars:
+            if not _compat.is_literal(v):
+                found |= reached.get(v, set())
+        if found:
+            for v in eqn.outvars:
+                reached[v] = found
+    read: set[int] = set()
+    for v in jaxpr.outvars[body.num_ctx_out :]:
+        if not _compat.is_literal(v):
+            read |= reached.get(v, set())
+    return tuple(i in read for i in range(num_ctx))
+
+
+def _refuse_differentiated_ctx(eqn: JaxprEqn, kind: str) -> NoReturn:
+    raise ValueError(
+        f"JAX is differentiating a {kind} function ({where(eqn)}) with respect to a "
+        f"value that the interpreter's context gives it (a value `plant` gives a sow "
+        f"inside it, say), not one of its arguments. Its custom derivative rule only "
+        f"says how its outputs change with its arguments, so the derivative with "
+        f"respect to that value is unknown; plain JAX refuses a differentiated value "
+        f"closed over by a {kind} function the same way. Pass the value to the "
+        f"function as an argument (and to its rules), or wrap it in "
+        f"jax.lax.stop_gradient if its derivative is not wanted."
+    )
+
+
 @default_handler_for("custom_jvp_call")
 def default_custom_jvp_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
@@ -173,9 +211,13 @@ def default_custom_jvp_handler(
     def primal(ctx_values: list[Any], args: list[Any]) -> tuple[list[Any], list[Any]]:
         return body.call(ctx_values, args)
 
+    read = _ctx_read_by_outputs(body)
+
     def primal_jvp(primals: Any, tangents: Any) -> Any:
         ctx_values, args = primals
-        _, arg_tangents = tangents
+        in_ctx_tangents, arg_tangents = tangents
+        if any(r and not isinstance(t, _SymbolicZero) for r, t in zip(read, in_ctx_tangents)):
+            _refuse_differentiated_ctx(eqn, "custom_jvp")
         ctx_out, outs = _quiet(body)(ctx_values, args)
         perturbed = [not isinstance(t, _SymbolicZero) for t in arg_tangents]
         diff_args, merge = _split_perturbed(args, perturbed)
@@ -257,18 +299,26 @@ def default_custom_vjp_handler(
     def primal(ctx_values: list[Any], args: list[Any]) -> tuple[list[Any], list[Any]]:
         return body.call(ctx_values, args)
 
-    # Symbolic zeros only where the user's rules take them: eager `shard_map`
-    # runs no custom_vjp declared with them, and plain JAX runs the user's.
-    symbolic = bool(eqn.params.get("symbolic_zeros", False))
+    # Symbolic zeros only where the user's rules take them (eager `shard_map`
+    # runs no custom_vjp declared with them, and plain JAX runs the user's), or
+    # where the outputs read a context value: they tell whether it is perturbed.
+    user_symbolic = bool(eqn.params.get("symbolic_zeros", False))
+    read = _ctx_read_by_outputs(body)
+    symbolic = user_symbolic or any(read)
 
     def primal_fwd(ctx_values: list[Any], args: list[Any]) -> Any:
         if symbolic:
+            if any(r and c.perturbed for r, c in zip(read, ctx_values)):
+                _refuse_differentiated_ctx(eqn, "custom_vjp")
+            ctx_values = [c.value for c in ctx_values]
+        if user_symbolic:
             perturbed = tuple(bool(a.perturbed) for a in args)
-            args, ctx_values = [a.value for a in args], [c.value for c in ctx_values]
         else:
             # Without symbolic zeros a rule cannot tell which inputs are
             # perturbed: its floating inputs all are, as in plain JAX.
             perturbed = tuple(_is_inexact(v.aval) for v in eqn.invars)
+        if symbolic:
+            args = [a.value for a in args]
         ctx_out, outs = _quiet(body)(list(ctx_values), args)
         diff_args, merge = _split_perturbed(args, perturbed)
 
