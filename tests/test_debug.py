@@ -1579,6 +1579,18 @@ def test_inf_in_a_shard_map_argument_is_not_blamed_on_the_pvary_jax_inserts(repo
     expect(found, "dot_general", "sharded-matmul", kind="inf", shard={"data": 2, "model": 0})
 
 
+@pytest.mark.parametrize("report", ["reaching", "first"])
+def test_a_prng_key_made_from_a_fixed_seed_inside_the_function(report):
+    # The key is a constant of the program (a key dtype, which NumPy cannot read).
+    def f(x):
+        noise = jax.random.normal(jax.random.PRNGKey(1), x.shape)
+        other = jax.random.normal(jax.random.split(jax.random.key(2))[0], x.shape)
+        return jnp.log(x + noise * 0.0 + other * 0.0)  # log-after-keys
+
+    assert report_of(f, jnp.ones(3), report=report).found is False
+    expect(report_of(f, -jnp.ones(3), report=report), "log", "log-after-keys")
+
+
 def test_invalid_report_is_a_clear_error():
     with pytest.raises(ValueError, match=r"'reaching', 'first'"):
         find_nans(jnp.sin, report="last")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax.extend.core import JaxprEqn
 
@@ -91,7 +92,11 @@ def known_outputs(eqn: JaxprEqn, values: Sequence[Any]) -> Any:
         return None
     aval = eqn.outvars[0].aval
     dtype, shape = getattr(aval, "dtype", None), tuple(getattr(aval, "shape", ()))
-    if dtype is None or not (np.issubdtype(dtype, np.integer) or dtype == np.bool_):
+    if (
+        dtype is None
+        or jax.dtypes.issubdtype(dtype, jax.dtypes.extended)  # a PRNG key
+        or not (np.issubdtype(dtype, np.integer) or dtype == np.bool_)
+    ):
         return None
     if int(np.prod(shape)) > MAX_KNOWN_SIZE:
         return None
