@@ -694,6 +694,28 @@ def test_a_long_run_no_handler_touches_is_staged_as_one_call():
     )
 
 
+def test_a_run_with_an_equation_jax_lowers_to_others_compiles():
+    # `jnp.nonzero(..., size=)` is a "hijax" equation from JAX 0.12: JAX lowers it
+    # to other equations before compiling, which a run bound as one call would
+    # have to ask for. It is bound on its own, between runs.
+    def program(x):
+        first = jnp.nonzero(x > 0, size=2)[0]
+        return _chain(lax.cumsum(_chain(x))) + x[first].sum()
+
+    interpreted = reinterpret(
+        program, Interpreter(default_dispatcher().register_handler("cumsum", _rebind))
+    )
+    x = X.at[0].set(-1.0)
+    np.testing.assert_array_equal(jax.jit(interpreted)(None, x)[0], jax.jit(program)(x))
+    scanned = reinterpret(
+        lambda xs: lax.scan(lambda c, x: (c + program(x).sum(), None), 0.0, xs)[0],
+        Interpreter(default_dispatcher().register_handler("cumsum", _rebind)),
+    )
+    xs = jnp.stack([x, X])
+    expected = jax.jit(lambda xs: lax.scan(lambda c, x: (c + program(x).sum(), None), 0.0, xs)[0])
+    np.testing.assert_array_equal(scanned(None, xs)[0], expected(xs))
+
+
 def test_the_context_threads_past_staged_runs():
     interpreted = reinterpret(
         _runs_program, Interpreter(default_dispatcher().register_handler("cumsum", count_handler))

@@ -229,8 +229,12 @@ def untouched_runs(
     per_jaxpr = _RUNS.setdefault(jaxpr, {})
     if handled in per_jaxpr:
         return per_jaxpr[handled]
+    # Not a "hijax" equation: a run holding one would have to be marked for JAX
+    # to lower it to other equations (`is_high`).
     plain = [
-        not eqn.effects and (skips[i] if control_flow else _eqn_untouched(eqn, handled))
+        not eqn.effects
+        and (skips[i] if control_flow else _eqn_untouched(eqn, handled))
+        and not _compat.is_high_equation(eqn)
         for i, (eqn, control_flow, _) in enumerate(plan)
     ]
     runs: dict[int, Run] | None = None

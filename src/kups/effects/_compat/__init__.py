@@ -34,6 +34,7 @@ from ._jaxprs import eval_jaxpr as eval_jaxpr
 from ._jaxprs import has_input_effects as has_input_effects
 from ._jaxprs import has_input_effects_any as has_input_effects_any
 from ._jaxprs import hoist_consts as hoist_consts
+from ._jaxprs import is_high_equation as is_high_equation
 from ._jaxprs import is_var as is_var
 from ._jaxprs import jaxpr_like as jaxpr_like
 from ._jaxprs import jaxprs_in_params as jaxprs_in_params

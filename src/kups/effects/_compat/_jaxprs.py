@@ -94,6 +94,14 @@ def is_var(atom: Any) -> bool:
     return isinstance(atom, Var)
 
 
+def is_high_equation(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` is one that JAX lowers to other equations before compiling
+    (a "hijax" primitive, such as JAX 0.12's `jnp.nonzero(..., size=)`): a jaxpr
+    built of equations must then say so (`is_high`) for JAX to lower it."""
+    is_high = getattr(eqn.primitive, "is_high", None)
+    return bool(is_high is not None and is_high(*(v.aval for v in eqn.invars), **eqn.params))
+
+
 def jaxprs_in_params(params: dict[str, Any]) -> list[Jaxpr]:
     return list(jax.extend.core.jaxprs_in_params(params))
 
