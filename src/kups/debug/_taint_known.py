@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import JaxprEqn
 
@@ -94,7 +95,7 @@ def known_outputs(eqn: JaxprEqn, values: Sequence[Any]) -> Any:
     dtype, shape = getattr(aval, "dtype", None), tuple(getattr(aval, "shape", ()))
     if (
         dtype is None
-        or jax.dtypes.issubdtype(dtype, jax.dtypes.extended)  # a PRNG key
+        or jnp.issubdtype(dtype, jax.dtypes.extended)  # a PRNG key
         or not (np.issubdtype(dtype, np.integer) or dtype == np.bool_)
     ):
         return None
