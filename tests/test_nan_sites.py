@@ -302,6 +302,38 @@ def test_constant_is_blamed_on_the_line_that_writes_it():
     assert sites_of(f, jnp.array([1.0, -1.0])) == [site("select_n", "where-writes-nan")]
 
 
+def test_a_constant_a_loop_starts_from_is_made_where_the_loop_combines_it_with_data():
+    # A -inf to accumulate from, as blackjax's NUTS starts its log-sum-exp: the
+    # first iteration's equation that combines it with data made the Inf, as
+    # outside a loop, and as report="first" says. Also through a custom_jvp
+    # function (`logaddexp`), and from a weakly typed -inf (whose cast to
+    # float32 only moves it).
+    from kups.debug import find_nans
+
+    xs = jnp.array([0.0, 1.0, 2.0])
+
+    def plain(xs):
+        return lax.scan(lambda c, x: (c + x * 0.0, None), jnp.float32(-jnp.inf), xs)[0]  # acc
+
+    def logsumexp(init):
+        def f(xs):
+            step = lambda c, x: (jnp.logaddexp(c, x), None)  # noqa: E731
+            return lax.scan(step, init, xs)[0]
+
+        return f
+
+    assert sites_of(plain, xs) == [site("add", "acc", "inf", iteration=(0,))]
+    assert find_nans(plain, report="first")(xs)[1].primitive == "add"
+    outside = sites_of(lambda xs: jnp.logaddexp(jnp.float32(-jnp.inf), xs[0]), xs)
+    for init in (jnp.float32(-jnp.inf), -jnp.inf):
+        looped = sites_of(logsumexp(init), xs)
+        assert [(p, k, n, i) for p, _, k, n, i, _ in looped] == [
+            (p, k, n, (0,)) for p, _, k, n, _, _ in outside
+        ]
+        first = find_nans(logsumexp(init), report="first")(xs)[1]
+        assert (first.primitive, first.iteration) == (looped[0][0], (0,))
+
+
 def test_sites_returned_from_jit_and_read_outside():
     def f(x):
         return jnp.log(x)  # log-jitted

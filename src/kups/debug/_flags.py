@@ -181,16 +181,23 @@ def _passes_through(interpreter: Any, state: Any, eqn: JaxprEqn, invals: list[An
 
 def _moves_data(state: Any, eqn: JaxprEqn) -> bool:
     """For `report="first"`: whether `eqn` only moves values that are not
-    constants. It is not checked: a NaN/Inf that an argument held is first seen
+    constants (or casts them to a float dtype that holds them). It is not checked: a NaN/Inf that an argument held is first seen
     at the equation that computes with it (one made in the program was found
     where it was made)."""
-    return eqn.primitive.name in _MOVES and not _reads_constants(state, eqn)
+    moves = eqn.primitive.name in _MOVES or widening_cast(eqn)
+    return moves and not _reads_constants(state, eqn)
+
+
+def _constant_vars(state: Any, eqn: JaxprEqn) -> frozenset[Any]:
+    """The variables of the jaxpr `eqn` is in that are constants of the program."""
+    del eqn
+    frame = state.scope.frame
+    return _constant_equations(frame.jaxpr, frame.constant_inputs)[1] if frame else frozenset()
 
 
 def _reads_constants(state: Any, eqn: JaxprEqn) -> bool:
     """Whether an input of `eqn` is a literal or a constant of the program."""
-    frame = state.scope.frame
-    constants = _constant_equations(frame.jaxpr, frame.constant_inputs)[1] if frame else frozenset()
+    constants = _constant_vars(state, eqn)
     return any(_is_literal(var) or var in constants for var in eqn.invars)
 
 
@@ -255,7 +262,9 @@ def _held_flag(held: dict[Any, Any], var: Any, value: Any, kinds: tuple[str, ...
 
 
 # Calls whose body takes the call's inputs and gives its outputs, one for one.
-_PLAIN_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint"})
+_PLAIN_CALLS = frozenset(
+    {"jit", "pjit", "closed_call", "core_call", "checkpoint", "custom_jvp_call", "custom_vjp_call"}
+)
 
 
 def _held_through(handler: Any) -> Any:
@@ -277,8 +286,16 @@ def _held_through(handler: Any) -> Any:
         if eqn.primitive.name == "scan":
             num_consts, num_carry = scan_layout(eqn)
             carries = range(num_consts, num_consts + num_carry)
+            # A carry that starts as a constant of the program (a -inf to
+            # accumulate from) holds no NaN/Inf of its own: where the loop first
+            # combines it with data, that equation made one, as outside loops.
+            constant = _constant_vars(state, eqn)
             flags = tuple(
-                _held_flag(held, eqn.invars[i], invals[i], kinds) if _is_float(invals[i]) else None
+                None
+                if not _is_float(invals[i])
+                else np.False_
+                if _is_literal(eqn.invars[i]) or eqn.invars[i] in constant
+                else _held_flag(held, eqn.invars[i], invals[i], kinds)
                 for i in carries
             )
             carried = _Carried(num_consts, flags)

@@ -266,7 +266,8 @@ def _propagate(
         constant = any(
             origins[i] is None and not _concrete_finite(invals[i], sites.kinds) for i in inputs
         )
-        if name in _MOVES and external and not constant and not collective:
+        moves = name in _MOVES or widening_cast(eqn)
+        if moves and external and not constant and not collective:
             # Moving what an argument may hold is not computing with it: the
             # equation that does is where its NaN/Inf is first seen.
             moved = _earliest(traced) if traced else None
