@@ -399,6 +399,20 @@ def test_automatic_checks_locate_the_failing_element_of_sharded_arrays(how):
     assert error.source == at("sharded gather")
 
 
+def test_the_failing_element_keeps_its_bits_and_an_empty_batch_fails_nothing():
+    from kups.checks import div_checks
+
+    def f(v):
+        check(v > 0, "not positive {v}", v=v)
+        return v
+
+    _, error = checked(jax.vmap(jax.vmap(f)))(jnp.array([[1.0, 2.0], [3.0, -0.0]]))
+    assert error.get().startswith("not positive -0.0 at vmap index (1, 1) (")
+    assert checked(jax.vmap(f))(jnp.zeros((0,)))[1].get() is None
+    empty = jnp.zeros((0,), jnp.int32)
+    assert checked(jnp.floor_divide, errors=div_checks)(empty, empty)[1].get() is None
+
+
 def test_a_vmapped_check_on_sharded_values_names_the_first_failing_element():
     def f(v):
         check(v > 0, "negative {v}", v=v)

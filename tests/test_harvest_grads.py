@@ -235,3 +235,42 @@ def test_a_planted_value_read_inside_a_custom_derivative_is_not_differentiated_s
     assert wrap(jax.grad(stopped))(scale, x) == 0.0
     with pytest.raises(ValueError, match=f"differentiating a {kind} function"):
         reap_grads(lambda x: fn(x) * 2.0, tag="knob")(x)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_custom_derivative_that_reads_no_differentiated_context_value_is_left_alone(jit):
+    # The context enters the custom_jvp's loop (a sow inside), but its outputs
+    # read none of it: the value sown before, differentiated, is no reason to refuse.
+    @jax.custom_jvp
+    def g(x):
+        def step(c, _):
+            c = c * 1.5
+            return c, sow(c, tag="t", name="trajectory", mode="append")
+
+        return lax.scan(step, x, length=3)[0]
+
+    g.defjvp(lambda primals, tangents: (g(primals[0]), 2.0 * tangents[0]))
+
+    def f(x):
+        return g(sow(x, tag="t", name="a", mode="clobber"))
+
+    loss = lambda x: reap(f, tag="t")(x)[0]  # noqa: E731
+    grad = jax.jit(jax.grad(loss)) if jit else jax.grad(loss)
+    assert grad(jnp.float32(1.0)) == jax.grad(f)(jnp.float32(1.0)) == 2.0
+
+
+def test_a_planted_custom_vjp_in_an_eager_shard_map_runs(mesh8):
+    # An eager shard_map runs no custom_vjp declared with symbolic zeros: there
+    # the planted value is not watched, and the function runs as before.
+    from kups.harvest import plant
+
+    by_vjp = _custom_functions()["custom_vjp"]
+
+    def body(x):
+        return plant(by_vjp, tag="knob")({"scale": jnp.float32(5.0)}, x)
+
+    mapped = jax.shard_map(body, mesh=mesh8, in_specs=P("i"), out_specs=P("i"))
+    x = jnp.arange(8.0)
+    for fn in (mapped, jax.jit(mapped)):
+        np.testing.assert_array_equal(fn(x), 5.0 * x)
+        np.testing.assert_array_equal(jax.grad(lambda x, fn=fn: fn(x).sum())(x), jnp.ones(8))

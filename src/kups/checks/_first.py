@@ -39,7 +39,7 @@ def first_true(mask: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         ),
         jnp.zeros(shape, jnp.int32),
     )
-    return jnp.min(jnp.where(mask, flat, np.int32(size))), flat
+    return jnp.min(jnp.where(mask, flat, np.int32(size)), initial=np.int32(size)), flat
 
 
 def unravel(first: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -55,7 +55,16 @@ def value_at(value: Any, flat: jax.Array | None, first: jax.Array, lead: int) ->
     if flat is None:
         return value.reshape(-1, *value.shape[lead:])[first]
     hit = jnp.expand_dims(flat == first, tuple(range(lead, value.ndim)))
-    picked = jnp.where(hit, value, jnp.zeros((), value.dtype))
+    axes = tuple(range(lead))
     if value.dtype == jnp.bool_:
-        return jnp.any(picked, axis=tuple(range(lead)))
-    return jnp.sum(picked, axis=tuple(range(lead)), dtype=value.dtype)
+        return jnp.any(jnp.logical_and(hit, value), axis=axes)
+    if jnp.issubdtype(value.dtype, jnp.complexfloating):
+        real = value_at(jnp.real(value), flat, first, lead)
+        return jax.lax.complex(real, value_at(jnp.imag(value), flat, first, lead))
+    if jnp.issubdtype(value.dtype, jnp.floating):
+        # Summed as bits, so that the one value picked keeps them (-0.0, a NaN's).
+        bits = jnp.dtype(f"uint{8 * value.dtype.itemsize}")
+        raw = jax.lax.bitcast_convert_type(value, bits)
+        picked = jnp.sum(jnp.where(hit, raw, jnp.zeros((), bits)), axis=axes, dtype=bits)
+        return jax.lax.bitcast_convert_type(picked, value.dtype)
+    return jnp.sum(jnp.where(hit, value, jnp.zeros((), value.dtype)), axis=axes, dtype=value.dtype)

@@ -79,10 +79,12 @@ def sow(
     - `init`: only with `mode="clobber"`, for a sow inside a loop or a `cond`
       branch. A number: what `reap` returns for the name when the `while_loop`
       (or `scan`) in which it is first sown runs zero times, or when a branch
-      that does not sow it runs, filled into the shape and dtype of the sown
-      value (every leaf). Without it, a name first sown inside a `while_loop`
-      or in only some branches of a `cond` is an error, and one first sown in a
-      zero-length `scan` is left out. A value sown before takes precedence.
+      that does not sow it runs (inside a loop, such a branch leaves the value
+      sown by an earlier iteration, and the init only before any), filled into
+      the shape and dtype of the sown value (every leaf). Without it, a name
+      first sown inside a `while_loop` or in only some branches of a `cond` is
+      an error, and one first sown in a zero-length `scan` is left out. A value
+      sown before takes precedence.
 
     **Returns:**
 

@@ -17,6 +17,7 @@ from ._core import aval_match_key as aval_match_key
 from ._core import aval_of as aval_of
 from ._core import bind_equation as bind_equation
 from ._core import current_name_stack as current_name_stack
+from ._core import in_eager_shard_map as in_eager_shard_map
 from ._core import is_eager as is_eager
 from ._core import is_literal as is_literal
 from ._core import is_staging as is_staging
@@ -24,6 +25,7 @@ from ._core import register_effect_type as register_effect_type
 from ._core import register_traceback_exclusion as register_traceback_exclusion
 from ._core import stage_unchanged as stage_unchanged
 from ._core import typematch as typematch
+from ._core import used_inputs as used_inputs
 from ._core import user_context as user_context
 from ._core import user_frames as user_frames
 from ._core import without_traceback as without_traceback

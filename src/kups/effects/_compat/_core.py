@@ -209,6 +209,25 @@ def is_eager() -> bool:
     return isinstance(_core.trace_ctx.trace, _core.EvalTrace)
 
 
+def used_inputs(jaxpr: Any, used_outputs: Sequence[bool]) -> list[bool]:
+    """Which inputs of a const-free `jaxpr` the outputs marked in `used_outputs`
+    are computed from, through its sub-programs (JAX's dead-code elimination;
+    an equation with an effect keeps its inputs)."""
+    _, used = _pe.dce_jaxpr(jaxpr, list(used_outputs))
+    return list(used)
+
+
+def in_eager_shard_map() -> bool:
+    """Whether a `shard_map` body is running eagerly around this point (a trace of
+    JAX's `ShardMapTrace` on the current trace's chain of parents)."""
+    trace: Any = _core.trace_ctx.trace
+    while trace is not None:
+        if type(trace).__name__ == "ShardMapTrace":
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
 def is_staging() -> bool:
     """Whether the current trace stages a jaxpr (`jax.jit`, `make_jaxpr`, a control
     flow body) rather than evaluating eagerly or differentiating concrete values."""

@@ -158,26 +158,12 @@ def _split_perturbed(
 
 def _ctx_read_by_outputs(body: TracedBody) -> tuple[bool, ...]:
     """For each context value the body takes, whether the function's outputs (not
-    the context it returns) are computed from it (a value `plant` gives a sow,
-    say). Followed equation by equation; an equation with a sub-program counts
-    every output as computed from every input."""
-    jaxpr = body.jaxpr
-    num_ctx = body.ctx_in.num_values
-    ctx_vars = jaxpr.invars[body.num_consts : body.num_consts + num_ctx]
-    reached: dict[Any, set[int]] = {v: {i} for i, v in enumerate(ctx_vars)}
-    for eqn in jaxpr.eqns:
-        found: set[int] = set()
-        for v in eqn.invars:
-            if not _compat.is_literal(v):
-                found |= reached.get(v, set())
-        if found:
-            for v in eqn.outvars:
-                reached[v] = found
-    read: set[int] = set()
-    for v in jaxpr.outvars[body.num_ctx_out :]:
-        if not _compat.is_literal(v):
-            read |= reached.get(v, set())
-    return tuple(i in read for i in range(num_ctx))
+    the context it returns) are computed from it (a value `plant` gives a sow
+    inside it, say)."""
+    num_outs = len(body.jaxpr.outvars) - body.num_ctx_out
+    used = _compat.used_inputs(body.jaxpr, [False] * body.num_ctx_out + [True] * num_outs)
+    start = body.num_consts
+    return tuple(used[start : start + body.ctx_in.num_values])
 
 
 def _refuse_differentiated_ctx(eqn: JaxprEqn, kind: str) -> NoReturn:
@@ -299,12 +285,15 @@ def default_custom_vjp_handler(
     def primal(ctx_values: list[Any], args: list[Any]) -> tuple[list[Any], list[Any]]:
         return body.call(ctx_values, args)
 
-    # Symbolic zeros only where the user's rules take them (eager `shard_map`
-    # runs no custom_vjp declared with them, and plain JAX runs the user's), or
+    # Symbolic zeros where the user's rules take them (plain JAX runs them), and
     # where the outputs read a context value: they tell whether it is perturbed.
+    # Not in an eager `shard_map`, which runs no custom_vjp declared with them:
+    # there a derivative with respect to such a value is left zero.
     user_symbolic = bool(eqn.params.get("symbolic_zeros", False))
     read = _ctx_read_by_outputs(body)
-    symbolic = user_symbolic or any(read)
+    symbolic = user_symbolic or (any(read) and not _compat.in_eager_shard_map())
+    if not symbolic:
+        read = (False,) * len(read)
 
     def primal_fwd(ctx_values: list[Any], args: list[Any]) -> Any:
         if symbolic:
