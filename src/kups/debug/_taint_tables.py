@@ -3,36 +3,6 @@ inputs, by primitive name (`_taint_rules` applies them)."""
 
 from __future__ import annotations
 
-# Whether an output is finite exactly when its inputs are (real dtypes only):
-# the origin passes on unchecked.
-_TRANSPARENT = frozenset(
-    {
-        "reshape",
-        "broadcast_in_dim",
-        "transpose",
-        "squeeze",
-        "expand_dims",
-        "neg",
-        "abs",
-        "copy",
-        "copy_p",
-        "rev",
-        "floor",
-        "ceil",
-        "round",
-        "sin",
-        "cos",
-        "cbrt",
-        "concatenate",
-        "pvary",
-        "pcast",
-        "sharding_constraint",
-        "mesh_cast",
-        "reshard",
-    }
-)
-
-
 # Equations that only move values (no arithmetic): a NaN/Inf of an argument that
 # they pass on is first seen at the equation that computes with it, not here.
 _MOVES = frozenset(
@@ -53,6 +23,11 @@ _MOVES = frozenset(
         "reshard",
     }
 )
+
+
+# Whether an output is finite exactly when its inputs are (real dtypes only):
+# the origin passes on unchecked.
+_TRANSPARENT = _MOVES | frozenset({"neg", "abs", "floor", "ceil", "round", "sin", "cos", "cbrt"})
 
 
 # Equations that cannot make a NaN/Inf out of finite inputs, but can drop one:
