@@ -181,24 +181,25 @@ def _passes_through(interpreter: Any, state: Any, eqn: JaxprEqn, invals: list[An
 
 def _moves_data(state: Any, eqn: JaxprEqn) -> bool:
     """For `report="first"`: whether `eqn` only moves values that are not
-    constants (or casts them to a float dtype that holds them). It is not checked: a NaN/Inf that an argument held is first seen
-    at the equation that computes with it (one made in the program was found
-    where it was made)."""
+    constants (or casts them to a float dtype that holds them). It is not
+    checked: a NaN/Inf that an argument held is first seen at the equation that
+    computes with it, and one made in the program was found where it was made."""
     moves = eqn.primitive.name in _MOVES or widening_cast(eqn)
     return moves and not _reads_constants(state, eqn)
 
 
-def _constant_vars(state: Any, eqn: JaxprEqn) -> frozenset[Any]:
-    """The variables of the jaxpr `eqn` is in that are constants of the program."""
-    del eqn
+def _is_constant_var(state: Any, var: Any) -> bool:
+    """Whether `var`, of the jaxpr being run, is a literal or a constant of the
+    program."""
+    if _is_literal(var):
+        return True
     frame = state.scope.frame
-    return _constant_equations(frame.jaxpr, frame.constant_inputs)[1] if frame else frozenset()
+    return frame is not None and var in _constant_equations(frame.jaxpr, frame.constant_inputs)[1]
 
 
 def _reads_constants(state: Any, eqn: JaxprEqn) -> bool:
     """Whether an input of `eqn` is a literal or a constant of the program."""
-    constants = _constant_vars(state, eqn)
-    return any(_is_literal(var) or var in constants for var in eqn.invars)
+    return any(_is_constant_var(state, var) for var in eqn.invars)
 
 
 def _real(values: list[Any]) -> bool:
@@ -286,18 +287,18 @@ def _held_through(handler: Any) -> Any:
         if eqn.primitive.name == "scan":
             num_consts, num_carry = scan_layout(eqn)
             carries = range(num_consts, num_consts + num_carry)
-            # A carry that starts as a constant of the program (a -inf to
-            # accumulate from) holds no NaN/Inf of its own: where the loop first
-            # combines it with data, that equation made one, as outside loops.
-            constant = _constant_vars(state, eqn)
-            flags = tuple(
-                None
-                if not _is_float(invals[i])
-                else np.False_
-                if _is_literal(eqn.invars[i]) or eqn.invars[i] in constant
-                else _held_flag(held, eqn.invars[i], invals[i], kinds)
-                for i in carries
-            )
+
+            def initial(i: int) -> Any:
+                if not _is_float(invals[i]):
+                    return None
+                if _is_constant_var(state, eqn.invars[i]):
+                    # A constant (a -inf to accumulate from) holds no NaN/Inf of
+                    # its own: where the loop first combines it with data, that
+                    # equation made one, as outside loops.
+                    return np.False_
+                return _held_flag(held, eqn.invars[i], invals[i], kinds)
+
+            flags = tuple(initial(i) for i in carries)
             carried = _Carried(num_consts, flags)
             useful = any(flag is not None for flag in flags)
         else:
