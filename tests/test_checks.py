@@ -1060,6 +1060,59 @@ def test_automatic_check_in_a_while_condition():
     assert oracle(x, 4.5)[0].get() is not None
 
 
+def _many_checks(n):
+    """A scan whose body has `n` user checks (one site each) and `n` NaN-checked
+    operations; the barrier keeps XLA from fusing the operations together."""
+
+    def step(y, _):
+        for _ in range(n):
+            y = lax.optimization_barrier(jnp.sin(y) * 1.01)
+            check(jnp.all(y < 10), "y={}", y)
+        return y, None
+
+    return lambda y: lax.scan(step, y, None, length=3)[0]
+
+
+def test_a_loop_carries_one_error_record_however_many_checks_its_body_has():
+    x = jnp.ones(3)
+    carries = []
+    for n in (10, 40):
+        jaxpr = jax.make_jaxpr(checked(_many_checks(n), errors=all_checks))(x)
+        (scan,) = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan"]
+        carries.append(len(scan.outvars))
+    # y, the iteration counter, the flag, the failing site's code, its iterations
+    # and one payload buffer (every site's format argument is an f32[3]).
+    assert carries == [6, 6]
+
+
+def test_the_compiled_checks_grow_linearly_with_their_number():
+    """Compiled code, not time: a record update that XLA expands with the chain of
+    every earlier check's flag grew quadratically (a numpyro SVI step under
+    nan_checks compiled for minutes)."""
+    lines = []
+    for n in (10, 40):
+        compiled = jax.jit(checked(_many_checks(n), errors=all_checks)).lower(jnp.ones(3)).compile()
+        lines.append(compiled.as_text().count("\n"))
+    # Linear is 4; the quadratic expansion made it 10-14.
+    assert lines[1] / lines[0] < 8, lines
+
+
+def test_the_first_failure_among_many_checks_of_a_loop_body():
+    def f(y):
+        def step(y, _):
+            for k in range(12):
+                y = y + 1.0
+                check(y < 7 + k, "check {k}: y={y}", k=k, y=y)
+            return y, None
+
+        return lax.scan(step, y, None, length=3)[0]
+
+    _, error = jax.jit(checked(f))(jnp.float32(0.0))
+    # Iteration 0: y runs 1..12 against bounds 7..18, always below; iteration 1:
+    # y = 13 + k against 7 + k fails at the first check.
+    assert (error.message, error.iteration) == ("check 0: y=13.0", (1,))
+
+
 def test_nan_checks_leave_effects_alone():
     from kups.harvest import reap, sow
 
@@ -1069,7 +1122,7 @@ def test_nan_checks_leave_effects_alone():
     (out, error), reaped = reap(checked(f, errors=nan_checks), tag="t")(jnp.float32(-1.0))
     assert jnp.isnan(out) and jnp.isnan(reaped["y"])
     assert error.source == at("sown log") and "'log'" in error.message
-    assert len(error.slots) == 2  # log and add; not the sow
+    assert len(error.record.layout.sites) == 2  # log and add; not the sow
 
 
 @pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8, jnp.int16, jnp.uint32])
@@ -1093,7 +1146,7 @@ def test_no_kinds_checks_nothing():
         return jnp.log(x[i] - 10.0) // 0.0
 
     out, error = jax.jit(checked(f, errors=frozenset()))(-jnp.ones(3), 7)
-    assert jnp.isnan(out) and error.get() is None and error.slots == ()
+    assert jnp.isnan(out) and error.get() is None and error.record.layout.sites == ()
     assert checked(f, errors={"user"})(-jnp.ones(3), 7)[1].message == "x[0] is -1.0"
 
 

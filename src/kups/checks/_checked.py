@@ -29,14 +29,14 @@ from kups.effects import (
 
 from ._automatic import all_checks, automatic_checks, user_checks
 from ._check import _check_p
-from ._error import Error
+from ._error import Error, _Record
 from ._handlers import (
     _automatic_handler,
     _check_handler,
     _Ctx,
     _first_failing_shard,
     _scoped,
-    _with_slots,
+    _with_sites,
 )
 
 Params = ParamSpec("Params")
@@ -47,9 +47,9 @@ def _dispatcher(kinds: frozenset[str]) -> Dispatcher:
     dispatcher = default_dispatcher()
     handlers = {
         **dispatcher.handlers,
-        "scan": _with_slots(default_scan_handler),
-        "while": _with_slots(default_while_handler),
-        "cond": _with_slots(default_cond_handler),
+        "scan": _with_sites(default_scan_handler),
+        "while": _with_sites(default_while_handler),
+        "cond": _with_sites(default_cond_handler),
         "shard_map": default_shard_map_handler,
     }
     for name, handler in handlers.items():
@@ -176,8 +176,13 @@ def checked(
             label="kups.checks",
             policy_hint="checked(fn, policy=...)",
         )
-        ctx = _Ctx(failed=jnp.zeros((), jnp.bool_), slots=(), position=Position(), kinds=kinds)
+        ctx = _Ctx(
+            failed=jnp.zeros((), jnp.bool_),
+            record=_Record.empty(),
+            position=Position(),
+            kinds=kinds,
+        )
         out, ctx = reinterpret(fn, interpreter)(ctx, *args, **kwargs)
-        return out, Error(failed=ctx.failed, slots=ctx.slots)
+        return out, Error(failed=ctx.failed, record=ctx.record)
 
     return stage_eagerly(wrapped)

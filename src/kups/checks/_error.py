@@ -1,11 +1,13 @@
-"""The error record: one slot per check site, and the `Error` that `checked` returns."""
+"""The error record (the first failure, in buffers every check site shares) and
+the `Error` that `checked` returns."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import pickle
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +27,8 @@ class CheckFailed(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class _Site:
-    """A check together with the loops and shard_map axes around it where it runs.
-    One slot of the error record belongs to each site."""
+    """A check together with the loops and shard_map axes around it where it runs:
+    what the error record's `code` names."""
 
     info: _Info
     num_loops: int
@@ -34,44 +36,163 @@ class _Site:
     batch_ndim: int
 
 
+_Aval = tuple[tuple[int, ...], str]  # (shape, dtype name) of a format argument
+
+
+class _Layout:
+    """The static part of the error record: the check sites met so far (in program
+    order; the record's `code` is an index into them) and the shape of the buffers
+    they share. Only the first failure is ever recorded, so every site writes the
+    same buffers: its format arguments go to the payload buffers of their shape
+    and dtype (the `k`-th argument of one aval to the `k`-th buffer of that aval),
+    its loop iterations, shard coordinates and vmap index to the front of
+    `iterations`, `shard` and `batch`. A loop carries a few arrays, however many
+    checks its body has."""
+
+    __slots__ = ("_codes", "_hash", "axes", "batch_ndim", "buffers", "depth", "sites")
+
+    def __init__(
+        self,
+        sites: tuple[_Site, ...] = (),
+        buffers: tuple[_Aval, ...] = (),
+        depth: int = 0,
+        axes: int = 0,
+        batch_ndim: int = 0,
+    ) -> None:
+        self.sites = sites
+        self.buffers = buffers
+        self.depth, self.axes, self.batch_ndim = depth, axes, batch_ndim
+        self._codes = {site: code for code, site in reversed(list(enumerate(sites)))}
+        self._hash = hash((sites, buffers, depth, axes, batch_ndim))
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.sites, self.buffers, self.depth, self.axes, self.batch_ndim)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, _Layout) and self._key() == other._key())
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return self._key()
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.__init__(*state)
+
+    def __repr__(self) -> str:
+        return f"_Layout({len(self.sites)} sites, {len(self.buffers)} payload buffers)"
+
+    def code(self, site: _Site) -> int:
+        return self._codes[site]
+
+    def places(self, site: _Site) -> tuple[int, ...]:
+        """The payload buffer of each of `site`'s format arguments."""
+        return _places(_avals(site), self.buffers)
+
+    def with_sites(self, sites: Iterable[_Site]) -> _Layout:
+        """This layout with the sites it does not have yet appended, and its buffers
+        grown to hold them."""
+        new = [site for site in dict.fromkeys(sites) if site not in self._codes]
+        if not new:
+            return self
+        buffers = list(self.buffers)
+        for site in new:
+            avals = _avals(site)
+            for aval in dict.fromkeys(avals):
+                missing = avals.count(aval) - buffers.count(aval)
+                buffers.extend([aval] * missing)
+        return _Layout(
+            self.sites + tuple(new),
+            tuple(buffers),
+            max([self.depth, *(site.num_loops for site in new)]),
+            max([self.axes, *(len(site.shard_axes) for site in new)]),
+            max([self.batch_ndim, *(site.batch_ndim for site in new)]),
+        )
+
+
+def _avals(site: _Site) -> tuple[_Aval, ...]:
+    return tuple((tuple(aval.shape), np.dtype(aval.dtype).name) for aval in site.info.avals)
+
+
+@functools.lru_cache(maxsize=4096)
+def _places(avals: tuple[_Aval, ...], buffers: tuple[_Aval, ...]) -> tuple[int, ...]:
+    seen: dict[_Aval, int] = {}
+    places = []
+    for aval in avals:
+        k = seen[aval] = seen.get(aval, -1) + 1
+        places.append([i for i, buffer in enumerate(buffers) if buffer == aval][k])
+    return tuple(places)
+
+
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["failed", "values", "iterations", "shard", "batch"],
-    meta_fields=["site"],
+    data_fields=["code", "values", "iterations", "shard", "batch"],
+    meta_fields=["layout"],
 )
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Slot:
-    """What one check site recorded: zeros until it fails, then the values of the
-    format arguments, the loop iterations (outermost first) and the shard
-    coordinates (one per manual mesh axis) of the first failure. Where there is
-    no loop, shard_map or vmap around the site, that field is `None`: a program
-    with many sites carries no empty arrays."""
+class _Record:
+    """What the first failing check recorded (zeros until one fails): its site
+    (`code`, an index into `layout.sites`), its format arguments in the payload
+    buffers, and the loop iterations (outermost first, `-1` past the site's
+    loops), shard coordinates and vmap index of the failure. A field that no site
+    needs is `None`: a program without loops carries no empty arrays."""
 
-    site: _Site
-    failed: jax.Array
+    layout: _Layout
+    code: jax.Array
     values: tuple[jax.Array, ...]
     iterations: jax.Array | None
     shard: jax.Array | None
     batch: jax.Array | None
 
     @staticmethod
-    def empty(site: _Site) -> _Slot:
-        return _Slot(
-            site=site,
-            failed=jnp.zeros((), jnp.bool_),
-            values=tuple(jnp.zeros(aval.shape, aval.dtype) for aval in site.info.avals),
-            iterations=_zeros(site.num_loops),
-            shard=_zeros(len(site.shard_axes)),
-            batch=_zeros(site.batch_ndim),
+    def empty() -> _Record:
+        return _Record(_Layout(), jnp.zeros((), jnp.int32), (), None, None, None)
+
+    def with_sites(self, sites: Iterable[_Site]) -> _Record:
+        """This record with room for `sites` (new buffers are zeros)."""
+        layout = self.layout.with_sites(sites)
+        if layout is self.layout:
+            return self
+        values = self.values + tuple(
+            jnp.zeros(shape, dtype) for shape, dtype in layout.buffers[len(self.values) :]
+        )
+        return _Record(
+            layout,
+            self.code,
+            values,
+            _padded(self.iterations, layout.depth, -1),
+            _padded(self.shard, layout.axes, 0),
+            _padded(self.batch, layout.batch_ndim, 0),
+        )
+
+    def read(
+        self, site: _Site
+    ) -> tuple[list[Any], tuple[int, ...], tuple[int, ...] | None, tuple[int, ...]]:
+        """`(values, iterations, shard, batch)` of a concrete record, for `site`."""
+        values = [np.asarray(self.values[place]) for place in self.layout.places(site)]
+        iterations = () if self.iterations is None else np.asarray(self.iterations).tolist()
+        shard = () if self.shard is None else np.asarray(self.shard).tolist()
+        batch = () if self.batch is None else np.asarray(self.batch).tolist()
+        return (
+            values,
+            tuple(iterations[: site.num_loops]),
+            tuple(shard[: len(site.shard_axes)]) if site.shard_axes else None,
+            tuple(batch[: site.batch_ndim]),
         )
 
 
-def _zeros(size: int) -> jax.Array | None:
-    return jnp.zeros((size,), jnp.int32) if size else None
+def _padded(array: jax.Array | None, size: int, fill: int) -> jax.Array | None:
+    """An int32 vector (`None` for an empty one) padded with `fill` to `size`."""
+    have = 0 if array is None else array.shape[0]
+    if have == size:
+        return array
+    padding = jnp.full((size - have,), fill, jnp.int32)
+    return padding if array is None else jnp.concatenate([array, padding])
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["failed", "slots"], meta_fields=[]
+    jax.tree_util.register_dataclass, data_fields=["failed", "record"], meta_fields=[]
 )
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class Error(Report):
@@ -124,35 +245,29 @@ class Error(Report):
     """
 
     failed: jax.Array
-    slots: tuple[_Slot, ...]
+    record: _Record
     noun = "error"
 
-    def _first(self) -> tuple[_Slot, Event, tuple[int, ...]] | None:
+    def _first(self) -> tuple[_Site, Event, tuple[int, ...]] | None:
         index = first_index(np.asarray(self.failed))
         if index is None:
             return None
-        for slot in self.slots:
-            element = jax.tree.map(lambda leaf: np.asarray(leaf)[index], slot)
-            if not element.failed:
-                continue
-            site = slot.site
-            info = site.info
-            if isinstance(info, _AutoCheck):
-                message = info.format(list(element.values), sharded=bool(site.shard_axes))
-            else:
-                message = info.format(list(element.values))
-            event = Event(
-                message=message,
-                primitive=info.primitive if isinstance(info, _AutoCheck) else "check",
-                source=info.location,
-                iteration=() if element.iterations is None else tuple(element.iterations.tolist()),
-                shard=None
-                if element.shard is None
-                else dict(zip(site.shard_axes, element.shard.tolist(), strict=True)),
-            )
-            batch = () if element.batch is None else tuple(element.batch.tolist())
-            return slot, event, (*index, *batch)
-        raise AssertionError("kups.checks: the error is failed but no check site failed.")
+        record = jax.tree.map(lambda leaf: np.asarray(leaf)[index], self.record)
+        site = record.layout.sites[int(record.code)]
+        info = site.info
+        values, iterations, shard, batch = record.read(site)
+        if isinstance(info, _AutoCheck):
+            message = info.format(values, sharded=bool(site.shard_axes))
+        else:
+            message = info.format(values)
+        event = Event(
+            message=message,
+            primitive=info.primitive if isinstance(info, _AutoCheck) else "check",
+            source=info.location,
+            iteration=iterations,
+            shard=None if shard is None else dict(zip(site.shard_axes, shard, strict=True)),
+        )
+        return site, event, (*index, *batch)
 
     def first_event(self) -> Event | None:
         first = self._first()
@@ -190,7 +305,7 @@ class Error(Report):
         """Which kind of check failed (`"user"`, `"index"`, `"div"`, `"nan"`), or `None`."""
         self._event("kind")
         first = self._first()
-        return None if first is None else first[0].site.info.kind
+        return None if first is None else first[0].info.kind
 
     def throw(self) -> None:
         """Raises `CheckFailed` with the message of `get()` if a check failed."""
@@ -200,7 +315,7 @@ class Error(Report):
 
     def __repr__(self) -> str:
         if self._is_traced():
-            return f"Error(<traced>, {len(self.slots)} check sites)"
+            return f"Error(<traced>, {len(self.record.layout.sites)} check sites)"
         return f"Error({self.get()!r})"
 
 
@@ -215,5 +330,5 @@ def _register_for_export(cls: type, name: str) -> None:
     )
 
 
-_register_for_export(_Slot, "kups.checks.Slot")
+_register_for_export(_Record, "kups.checks.Record")
 _register_for_export(Error, "kups.checks.Error")

@@ -1,10 +1,11 @@
 """Recording failures: the interpreter's context and its handlers.
 
-The context is the error record (a `failed` flag and one slot per check site)
-with a `Position` (the toolkit's), kept right through loops and `shard_map` by
-`track_position`. The first failing check fills its slot and sets `failed`,
-which masks every later check; between the shards of a `shard_map`, the first
-failure (earliest iterations, then program order, then mesh order) is kept.
+The context is a `failed` flag and the error record (one record, which every
+check site shares) with a `Position` (the toolkit's), kept right through loops
+and `shard_map` by `track_position`. The first failing check fills the record
+and sets `failed`, which masks every later check; between the shards of a
+`shard_map`, the first failure (earliest iterations, then program order, then
+mesh order) is kept.
 """
 
 from __future__ import annotations
@@ -28,31 +29,30 @@ from kups.effects import (
     default_primitive_handler,
     event_order,
     first_across_shards,
-    source_of,
     sub_jaxprs,
     while_with_predicate,
 )
 
 from ._automatic import _CONDITIONS, _automatic_checks
-from ._error import _Site, _Slot
+from ._error import _padded, _Record, _Site
 from ._first import first_true, unravel, value_at
-from ._sites import _batch_ndim, _located, _relative_sites, _sites_in
+from ._sites import _batch_ndim, _relative_sites, _sites_in
 
 
 class _Ctx(eqx.Module):
-    """The interpreter's context: the error record, where the current equation
-    runs, and the kinds of checks being recorded."""
+    """The interpreter's context: whether a check failed, the record of the first
+    failure, where the current equation runs, and the kinds of checks being
+    recorded."""
 
     failed: jax.Array
-    slots: tuple[_Slot, ...]
+    record: _Record
     position: Position
     kinds: frozenset[str] = eqx.field(static=True)
 
     def with_sites(self, sites: Iterable[_Site]) -> _Ctx:
-        """This context with an empty slot for each site it has none for."""
-        known = {slot.site for slot in self.slots}
-        new = tuple(_Slot.empty(site) for site in dict.fromkeys(sites) if site not in known)
-        return dataclasses.replace(self, slots=self.slots + new) if new else self
+        """This context with room in its record for `sites`."""
+        record = self.record.with_sites(sites)
+        return self if record is self.record else dataclasses.replace(self, record=record)
 
     def site(self, info: Any, batch_ndim: int = 0) -> _Site:
         """The site of a check or automatic check met here."""
@@ -63,40 +63,42 @@ class _Ctx(eqx.Module):
 def _record(
     ctx: _Ctx, site: _Site, bad: jax.Array, values: Sequence[jax.Array], batch: jax.Array | None
 ) -> _Ctx:
-    """`ctx` with `site`'s slot filled if `bad` and nothing failed before."""
+    """`ctx` with `site`'s failure recorded if `bad` and nothing failed before.
+
+    While nothing has failed, every site writes the record (it is read only once
+    `failed` is set); once something has, the record is kept. Each update is
+    gated by the flag as it was before the site, and the flag after it is
+    computed once (an optimization barrier): XLA would otherwise copy the chain
+    of flags up to each site into the code of each update, quadratic in the
+    number of checks of a loop body (minutes of compilation for a few hundred).
+    """
     ctx = ctx.with_sites([site])
-    fails = jnp.logical_and(bad, jnp.logical_not(ctx.failed))
+    record = ctx.record
+    layout = record.layout
+    kept = ctx.failed
     position = ctx.position
-    iterations = position.iteration if position.depth else None
-
-    def fill(slot: _Slot) -> _Slot:
-        if slot.site != site:
-            return slot
-        return _Slot(
-            site=site,
-            failed=jnp.logical_or(slot.failed, fails),
-            values=tuple(
-                _select(fails, new, old) for new, old in zip(values, slot.values, strict=True)
-            ),
-            iterations=_select(fails, iterations, slot.iterations),
-            shard=_select(fails, position.shard, slot.shard),
-            batch=_select(fails, batch, slot.batch),
-        )
-
-    return dataclasses.replace(
-        ctx,
-        failed=jnp.logical_or(ctx.failed, fails),
-        slots=tuple(fill(slot) for slot in ctx.slots),
+    payload = list(record.values)
+    for place, value in zip(layout.places(site), values, strict=True):
+        payload[place] = _select(kept, payload[place], value)
+    record = _Record(
+        layout,
+        _select(kept, record.code, jnp.int32(layout.code(site))),
+        tuple(payload),
+        _select(kept, record.iterations, _padded(position.iteration, layout.depth, -1)),
+        _select(kept, record.shard, _padded(position.shard, layout.axes, 0)),
+        _select(kept, record.batch, _padded(batch, layout.batch_ndim, 0)),
     )
+    failed = lax.optimization_barrier(jnp.logical_or(kept, bad))
+    return dataclasses.replace(ctx, failed=failed, record=record)
 
 
-def _select(pred: jax.Array, new: Any, old: Any) -> Any:
-    """`new` where `pred`, else `old` (`None` stays `None`). Not `jnp.where`: on an
+def _select(pred: jax.Array, old: Any, new: Any) -> Any:
+    """`old` where `pred`, else `new` (`None` stays `None`). Not `jnp.where`: on an
     empty array (JAX 0.10.2) it returns an operand without joining the varying
     manual axes, which breaks a loop carry inside shard_map."""
     if old is None:
         return None
-    return lax.select(jnp.broadcast_to(pred, old.shape), new, old)
+    return lax.select(jnp.broadcast_to(pred, old.shape), old, new)
 
 
 def _check_handler(
@@ -127,12 +129,12 @@ def _automatic_handler(
     return HandlerResult(ctx, outvals)
 
 
-def _with_slots(handler: Handler) -> Handler:
-    """`handler` for a loop or `cond` (inside `track_position`): the context first
-    gets a slot for every check the body or any branch may reach, so that it keeps
+def _with_sites(handler: Handler) -> Handler:
+    """`handler` for a loop or `cond` (inside `track_position`): the record first
+    gets room for every check the body or any branch may reach, so that it keeps
     its structure through the iterations and is the same out of every branch.
 
-    Inside `shard_map`, the flag and those slots are also made varying over the
+    Inside `shard_map`, the flag and the record are also made varying over the
     manual axes: a check records its shard's coordinates, so they vary after it,
     and a loop carry or cond output must have the same type everywhere.
     """
@@ -143,14 +145,10 @@ def _with_slots(handler: Handler) -> Handler:
     ) -> HandlerResult:
         position = ctx.position
         where = (position.depth, position.shard_axes, ctx.kinds, position.enclosing)
-        sites = list(dict.fromkeys(_sites_in(sub_jaxprs(eqn), *where)))
-        ctx = ctx.with_sites(sites)
+        ctx = ctx.with_sites(_sites_in(sub_jaxprs(eqn), *where))
         if position.levels:
-            inside = set(sites)
-            slots = tuple(
-                position.vary(slot) if slot.site in inside else slot for slot in ctx.slots
-            )
-            ctx = dataclasses.replace(ctx, failed=position.vary(ctx.failed), slots=slots)
+            failed, record = position.vary((ctx.failed, ctx.record))
+            ctx = dataclasses.replace(ctx, failed=failed, record=record)
         if eqn.primitive.name == "while" and any(_sites_in([eqn.params["cond_jaxpr"]], *where)):
             return _while_checking_condition(interpreter, ctx, eqn, invals, options["updater"])
         return handler(interpreter, ctx, eqn, invals, **options)
@@ -198,47 +196,26 @@ def _first_failing_shard(ctx: _Ctx) -> _Ctx:
     """`reduce_ctx` of a `shard_map`: every shard's record replaced by that of the
     shard whose failure came first (earliest iterations, then program order, then
     mesh order), in one collective round (`first_across_shards`)."""
-    depth = max((slot.site.num_loops for slot in ctx.slots), default=0)
-    order = jnp.zeros((depth + 1,), jnp.int32)
-    for index, slot in enumerate(ctx.slots):
-        iterations = jnp.zeros((0,), jnp.int32) if slot.iterations is None else slot.iterations
-        key = event_order(iterations, index, depth)
-        order = lax.select(jnp.broadcast_to(slot.failed, key.shape), key, order)
-    slots, failed = first_across_shards(
-        ctx.slots, happened=ctx.failed, order=order, position=ctx.position
+    record = ctx.record
+    iterations = jnp.zeros((0,), jnp.int32) if record.iterations is None else record.iterations
+    # Iterations past a site's loops are -1 already: the key of `event_order`.
+    order = event_order(iterations, record.code, record.layout.depth)
+    record, failed = first_across_shards(
+        record, happened=ctx.failed, order=order, position=ctx.position
     )
-    return dataclasses.replace(ctx, failed=failed, slots=slots)
+    return dataclasses.replace(ctx, failed=failed, record=record)
 
 
 def _scoped(handler: Handler) -> Handler:
-    """`handler`, given only the slots of the checks inside the equation.
-
-    Control flow with no check inside is re-bound unchanged, so check-free parts
-    of a program compile as they are; otherwise only the slots it may fill enter
-    the loop carry, the jit's arguments or the shard_map's reduction. The slots
-    keep their order, and new ones come last, as if every slot had gone in (so
-    that the branches of a cond still return the same context).
-    """
+    """`handler` for control flow with a check inside; control flow with none is
+    re-bound unchanged, so check-free parts of a program compile as they are."""
 
     @functools.wraps(handler)
     def dispatch(
         interpreter: Interpreter, ctx: _Ctx, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
-        relative = [
-            info for jaxpr in sub_jaxprs(eqn) for info, *_ in _relative_sites(jaxpr, ctx.kinds)
-        ]
-        if not relative:
+        if not any(_relative_sites(jaxpr, ctx.kinds) for jaxpr in sub_jaxprs(eqn)):
             return default_primitive_handler(interpreter, ctx, eqn, invals)
-        enclosing = source_of(eqn, ctx.position.enclosing)
-        inside = {_located(info, enclosing) for info in relative}
-        scoped = dataclasses.replace(
-            ctx, slots=tuple(slot for slot in ctx.slots if slot.site.info in inside)
-        )
-        scoped, outvals = handler(interpreter, scoped, eqn, invals)
-        returned = {slot.site: slot for slot in scoped.slots}
-        slots = tuple(returned.pop(slot.site, slot) for slot in ctx.slots)
-        return HandlerResult(
-            dataclasses.replace(scoped, slots=slots + tuple(returned.values())), outvals
-        )
+        return handler(interpreter, ctx, eqn, invals)
 
     return dispatch
