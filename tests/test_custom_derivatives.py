@@ -13,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kups.checks import checked, nan_checks
-from kups.debug import find_nans
+from kups.debug import find_nans, nan_sites
 from kups.effects import (
     HandlerResult,
     Interpreter,
@@ -392,6 +392,37 @@ def test_equinox_filter_custom_vjp_with_a_closed_over_array():
     np.testing.assert_allclose(expected, 7.0 * 2.0 * X.size)
     got = jax.grad(lambda w: jnp.sum(interpret(jnp.int32(0), w)[0]))(2.0)
     np.testing.assert_allclose(got, expected)
+
+
+_SCALE = jnp.array([1.0, 2.0, 0.5])
+
+
+@jax.custom_vjp
+def _log_scaled(x):
+    return jnp.log(x * _SCALE)  # closes over a jnp array: a const of the equation
+
+
+_log_scaled.defvjp(lambda x: (_log_scaled(x), x), lambda x, g: (3.0 * g / x,))
+
+
+@pytest.mark.parametrize(
+    "effect",
+    [
+        lambda f: find_nans(f),
+        lambda f: find_nans(f, report="first"),
+        lambda f: nan_sites(f),
+        lambda f: checked(f, errors=nan_checks),
+        lambda f: functools.partial(reinterpret(f, interpreter_with()), jnp.int32(0)),
+    ],
+    ids=["find_nans", "first", "nan_sites", "nan_checks", "identity"],
+)
+def test_a_custom_vjp_closing_over_an_array_is_differentiated_by_its_rule(effect):
+    x = jnp.array([1.0, 2.0, 4.0])
+    expected = jax.grad(lambda x: jnp.sum(_log_scaled(x)))(x)
+    np.testing.assert_allclose(expected, 3.0 / x)  # the rule's, not log's
+    interpreted = effect(lambda x: jnp.sum(_log_scaled(x)))
+    got = jax.grad(lambda x: interpreted(x)[0])(x)
+    np.testing.assert_array_equal(got, expected)
 
 
 @jax.custom_vjp

@@ -290,6 +290,7 @@ def default_custom_vjp_handler(
     # Not in an eager `shard_map`, which runs no custom_vjp declared with them:
     # there a derivative with respect to such a value is left zero.
     user_symbolic = bool(eqn.params.get("symbolic_zeros", False))
+    num_consts = eqn.params.get("num_consts", 0)
     read = _ctx_read_by_outputs(body)
     symbolic = user_symbolic or (any(read) and not _compat.in_eager_shard_map())
     if not symbolic:
@@ -304,8 +305,14 @@ def default_custom_vjp_handler(
             perturbed = tuple(bool(a.perturbed) for a in args)
         else:
             # Without symbolic zeros a rule cannot tell which inputs are
-            # perturbed: its floating inputs all are, as in plain JAX.
-            perturbed = tuple(_is_inexact(v.aval) for v in eqn.invars)
+            # perturbed: its floating arguments all are, as in plain JAX. The
+            # values the function closes over (its first `num_consts` inputs) are
+            # not: JAX refuses to differentiate them, and one that could be
+            # perturbed here is a tracer of the finished trace of the function,
+            # which its rules cannot read (JAX raises an UnexpectedTracerError).
+            perturbed = tuple(
+                _is_inexact(v.aval) and i >= num_consts for i, v in enumerate(eqn.invars)
+            )
         if symbolic:
             args = [a.value for a in args]
         ctx_out, outs = _quiet(body)(list(ctx_values), args)
