@@ -224,7 +224,8 @@ def untouched_runs(
     equation), and when no equation of `jaxpr` is touched: then the interpreter's
     walk re-binds it as it is, which keeps an identity interpretation exactly the
     user's jaxpr."""
-    if handled is None or skips is None:
+    if handled is None or skips is None or len(plan) < MIN_RUN:
+        # Too few equations for a run: nothing to look for.
         return None
     per_jaxpr = _RUNS.setdefault(jaxpr, {})
     if handled in per_jaxpr:
