@@ -180,6 +180,16 @@ def replace_jaxpr(jaxpr: Jaxpr, **kwargs: Any) -> Jaxpr:
     (`arg_names=None`). JAX 0.10.0's while-loop JVP rule appends to those names and
     fails on `None`, so give every binder an empty name instead.
     """
+    if "debug_info" not in kwargs and "constvars" not in kwargs and not jaxpr.constvars:
+        # The names `Jaxpr.replace` would give, fixed up front: one new jaxpr, not two.
+        info = jaxpr.debug_info
+        invars = kwargs.get("invars", jaxpr.invars)
+        if info is not None:
+            if invars != jaxpr.invars or kwargs.get("outvars", jaxpr.outvars) != jaxpr.outvars:
+                info = info.with_unknown_names()
+            if info.arg_names is None:
+                info = info._replace(arg_names=("",) * len(invars))
+            return jaxpr.replace(**kwargs, debug_info=info)
     new = jaxpr.replace(**kwargs)
     info = new.debug_info
     if info is not None and info.arg_names is None:
