@@ -147,21 +147,26 @@ def _handler_name(kind: str) -> str:
     return "while" if kind == "while_loop" else kind
 
 
-def consts_first(body: TracedBody, num_ctx: int, num_consts: int) -> Any:
-    """The traced body's jaxpr with invars `[body consts, consts, ctx, rest]`.
+def consts_first(
+    body: TracedBody, num_ctx: int, num_consts: int, outvars: Sequence[Any] | None = None
+) -> Any:
+    """The traced body's jaxpr with invars `[body consts, consts, ctx, rest]` (and
+    `outvars` for its outputs, if given).
 
     It was traced as `[body consts, ctx, consts, rest]`; loop primitives take their
     consts before their carries, and the context is a carry.
     """
     k = body.num_consts
     invars = body.jaxpr.invars
-    order = [
-        *range(k),
-        *range(k + num_ctx, k + num_ctx + num_consts),
-        *range(k, k + num_ctx),
-        *range(k + num_ctx + num_consts, len(invars)),
+    new_invars = [
+        *invars[:k],
+        *invars[k + num_ctx : k + num_ctx + num_consts],
+        *invars[k : k + num_ctx],
+        *invars[k + num_ctx + num_consts :],
     ]
-    return _compat.replace_jaxpr(body.jaxpr, invars=[invars[i] for i in order])
+    if outvars is None:
+        return _compat.replace_jaxpr(body.jaxpr, invars=new_invars)
+    return _compat.replace_jaxpr(body.jaxpr, invars=new_invars, outvars=list(outvars))
 
 
 def arg_avals_of(jaxpr: Any) -> list[Any]:

@@ -154,16 +154,15 @@ def _scan_result(
     new_pos = [j for j in range(len(out_paths)) if j not in carried]
 
     num_ctx_in, num_ctx_out = spec.num_values, out_spec.num_values
-    jaxpr = consts_first(body, num_ctx_in, len(consts))
-    outvars = jaxpr.outvars
+    outvars = body.jaxpr.outvars
     ctx_outvars, rest = outvars[:num_ctx_out], outvars[num_ctx_out:]
-    num_carry = len(carry)
-    jaxpr = _compat.replace_jaxpr(
-        jaxpr,
+    jaxpr = consts_first(
+        body,
+        num_ctx_in,
+        len(consts),
         outvars=[
             *(ctx_outvars[j] for j in carried_pos),
-            *rest[:num_carry],
-            *rest[num_carry:],
+            *rest,
             *(ctx_outvars[j] for j in new_pos),
         ],
     )
@@ -171,7 +170,7 @@ def _scan_result(
         eqn.params,
         jaxpr=_compat.new_closed_jaxpr(jaxpr, ()),
         num_consts=body.num_consts + len(consts),
-        num_carry=num_ctx_in + num_carry,
+        num_carry=num_ctx_in + len(carry),
     )
     out = _compat.bind_equation(
         eqn.primitive, new_params, [*body.consts, *consts, *ctx_values, *carry, *xs]

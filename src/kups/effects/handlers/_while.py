@@ -72,8 +72,7 @@ def default_while_handler(
     num_ctx = spec.num_values
     # The condition's context outputs are its inputs (checked above): keep only
     # the predicate.
-    new_cond = consts_first(cond, num_ctx, cond_nconsts)
-    new_cond = _compat.replace_jaxpr(new_cond, outvars=new_cond.outvars[num_ctx:])
+    new_cond = consts_first(cond, num_ctx, cond_nconsts, outvars=cond.jaxpr.outvars[num_ctx:])
     new_body = consts_first(body, num_ctx, body_nconsts)
     # Context leaves the body returns unchanged are consts, not carries, as
     # `lax.while_loop` does for its own carries: under `vmap` with a batched
