@@ -5,6 +5,7 @@ context it really reads and changes."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -195,17 +196,27 @@ def invariant_ctx_first(
     return _compat.replace_jaxpr(jaxpr, invars=new_invars, outvars=outvars)
 
 
+# Per jaxpr, `forwarded_inputs` of it. Each enclosing loop asks it of the body it
+# traced, which holds the inner loops' rebuilt bodies: cached, nesting costs one
+# walk per body rather than one per body and enclosing level.
+_FORWARDED: weakref.WeakKeyDictionary[Any, tuple[int | None, ...]] = weakref.WeakKeyDictionary()
+
+
 def forwarded_inputs(jaxpr: Any) -> list[int | None]:
     """For each output of `jaxpr`, the index of the input it returns unchanged, or
     `None`; values are followed through sub-programs that pass them through."""
     jaxpr, _ = _compat.open_jaxpr(jaxpr)
-    source: dict[Any, int] = {v: i for i, v in enumerate(jaxpr.invars)}
-    for sub_eqn in jaxpr.eqns:
-        for var, index in zip(sub_eqn.outvars, _eqn_forwarding(sub_eqn), strict=True):
-            atom = None if index is None else sub_eqn.invars[index]
-            if atom is not None and not _compat.is_literal(atom) and atom in source:
-                source[var] = source[atom]
-    return [None if _compat.is_literal(v) else source.get(v) for v in jaxpr.outvars]
+    found = _FORWARDED.get(jaxpr)
+    if found is None:
+        source: dict[Any, int] = {v: i for i, v in enumerate(jaxpr.invars)}
+        for sub_eqn in jaxpr.eqns:
+            for var, index in zip(sub_eqn.outvars, _eqn_forwarding(sub_eqn), strict=True):
+                atom = None if index is None else sub_eqn.invars[index]
+                if atom is not None and not _compat.is_literal(atom) and atom in source:
+                    source[var] = source[atom]
+        found = tuple(None if _compat.is_literal(v) else source.get(v) for v in jaxpr.outvars)
+        _FORWARDED[jaxpr] = found
+    return list(found)
 
 
 def _eqn_forwarding(eqn: JaxprEqn) -> list[int | None]:
