@@ -162,6 +162,8 @@ def leaked_static_paths(ctx_before: Any, ctx_after: Any) -> list[tuple[str, str]
     """`(path, type name)` of the static leaves of `ctx_after` that are new (not a
     leaf of `ctx_before`) and hold a tracer: an object that is not a pytree,
     carrying an array out of a traced body, where the array's tracer is dead."""
+    if all(map(is_value, jax.tree.leaves(ctx_after))):
+        return []  # the usual context: arrays only, nothing static to look at
     before = {id(leaf) for leaf in jax.tree.leaves(ctx_before)}
     path_leaves, _ = jax.tree_util.tree_flatten_with_path(ctx_after)
     return [
