@@ -115,10 +115,9 @@ def scan_params(
     def prepend(extra: int, group: Any) -> Any:
         return _flattree.pack((_flattree.nones(extra), group)) if extra else group
 
-    old_consts, old_carry = scan_layout(params)
     consts_group, carry_group, xs_group = params["ft_in"].unpack()
     carry_out_group, ys_group = params["ft_out"].unpack()
-    extra_consts, extra_carry = num_consts - old_consts, num_carry - old_carry
+    extra_consts, extra_carry = num_consts - len(consts_group), num_carry - len(carry_group)
     extra_ys = len(jaxpr.out_avals) - num_carry - len(ys_group)
     if min(extra_consts, extra_carry, extra_ys) < 0:
         raise AssertionError("kups: a rebuilt scan lost consts, carries or outputs")
