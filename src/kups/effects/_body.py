@@ -71,29 +71,12 @@ def trace_body(
     call: interpreting the same sub-program with the same context again reuses it,
     so nesting does not multiply the work.
     """
-    cache_key = match_key = None
     if key is not None:
-        ctx_key = ctx_spec.hash_key()
-        if ctx_key is not None:
-            cache = interpreter._body_cache
-            cache_key = (key, ctx_key, tuple(arg_avals))
-            hit = cache.get(cache_key)
+        entries = interpreter._body_cache.get(key)
+        if entries:
+            hit = _cached(entries, ctx_spec, arg_avals)
             if hit is not None:
-                return hit[0]
-            # The same avals but for shardings JAX's type check ignores (a new
-            # context leaf made from a concrete array has no mesh; the same leaf
-            # carried into a shard_map body has one): the traced body fits too.
-            # The match key holds weak types, which typematch does not compare.
-            match_key = (key, ctx_spec.match_key(), tuple(map(_compat.aval_match_key, arg_avals)))
-            hit = cache.get(match_key)
-            if hit is not None and all(
-                map(
-                    _compat.typematch,
-                    (*hit[0].ctx_in.avals, *hit[2]),
-                    (*ctx_spec.avals, *arg_avals),
-                )
-            ):
-                return hit[0]
+                return hit
 
     num_ctx = ctx_spec.num_values
     ctx_out_cell: list[CtxSpec] = []
@@ -123,11 +106,79 @@ def trace_body(
         ctx_out=spec_out,
         out_avals=tuple(out_avals),
     )
-    if cache_key is not None and not any(isinstance(c, _compat.Tracer) for c in consts):
-        # The key's jaxpr is kept alive with the entry so that its id is not reused.
-        interpreter._body_cache[cache_key] = (traced, key, tuple(arg_avals))
-        interpreter._body_cache.setdefault(match_key, (traced, key, tuple(arg_avals)))
+    if key is not None and not any(isinstance(c, _compat.Tracer) for c in consts):
+        # Filed under the key (a dict key keeps its jaxpr alive, so that its id is
+        # not reused); the entry's own keys are computed when the key comes again.
+        interpreter._body_cache.setdefault(key, []).append(_Entry(traced, tuple(arg_avals)))
     return traced
+
+
+class _Entry:
+    """A traced body in the cache, with the avals it was traced on and, computed
+    when first compared, its exact and match keys (see `_cached`)."""
+
+    __slots__ = ("_exact", "_match", "arg_avals", "traced")
+
+    def __init__(self, traced: TracedBody, arg_avals: tuple[Any, ...]):
+        self.traced = traced
+        self.arg_avals = arg_avals
+        self._exact: Any = _UNSET
+        self._match: Any = _UNSET
+
+    def exact(self) -> Any:
+        if self._exact is _UNSET:
+            self._exact = _exact_key(self.traced.ctx_in, self.arg_avals)
+        return self._exact
+
+    def match(self) -> Any:
+        if self._match is _UNSET:
+            self._match = _match_key(self.traced.ctx_in, self.arg_avals)
+        return self._match
+
+
+_UNSET = object()
+
+
+def _exact_key(ctx_spec: CtxSpec, arg_avals: Sequence[Any]) -> Any:
+    """The context's and arguments' types, or `None` when a static leaf of the
+    context is not hashable (nothing is cached for it)."""
+    ctx_key = ctx_spec.hash_key()
+    return None if ctx_key is None else (ctx_key, tuple(arg_avals))
+
+
+def _match_key(ctx_spec: CtxSpec, arg_avals: Sequence[Any]) -> Any:
+    """`_exact_key` without the avals' shardings; only where that is not `None`."""
+    return (ctx_spec.match_key(), tuple(map(_compat.aval_match_key, arg_avals)))
+
+
+def _cached(entries: list[_Entry], ctx_spec: CtxSpec, arg_avals: Sequence[Any]) -> Any:
+    """The traced body among `entries` (those of one key) that fits `ctx_spec` and
+    `arg_avals`, or `None`.
+
+    One traced on the same types fits. So does the first one traced on the same
+    avals but for shardings JAX's type check ignores (a new context leaf made from
+    a concrete array has no mesh; the same leaf carried into a shard_map body has
+    one), when JAX's type check says so; the match key holds weak types, which
+    typematch does not compare."""
+    exact = _exact_key(ctx_spec, arg_avals)
+    if exact is None:
+        return None
+    for entry in entries:
+        if entry.exact() == exact:
+            return entry.traced
+    match = _match_key(ctx_spec, arg_avals)
+    for entry in entries:
+        if entry.exact() is not None and entry.match() == match:
+            if all(
+                map(
+                    _compat.typematch,
+                    (*entry.traced.ctx_in.avals, *entry.arg_avals),
+                    (*ctx_spec.avals, *arg_avals),
+                )
+            ):
+                return entry.traced
+            return None
+    return None
 
 
 def interpret_fn(interpreter: Interpreter, jaxpr: ClosedJaxpr | Jaxpr) -> BodyFn:
