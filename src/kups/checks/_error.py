@@ -62,7 +62,7 @@ class _Layout:
         self.sites = sites
         self.buffers = buffers
         self.depth, self.axes, self.batch_ndim = depth, axes, batch_ndim
-        self._codes = {site: code for code, site in reversed(list(enumerate(sites)))}
+        self._codes = {site: code for code, site in enumerate(sites)}  # sites are unique
         self._hash = hash((sites, buffers, depth, axes, batch_ndim))
 
     def _key(self) -> tuple[Any, ...]:
