@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import linecache
 import os
-import textwrap
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +28,7 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 import kups
+from kups._demo_report import Report, table
 from kups.checks import check, checked
 from kups.debug import find_nans
 from kups.harvest import reap, sow
@@ -120,7 +120,7 @@ def make_train(mesh: Mesh) -> Callable[..., tuple[Params, jax.Array]]:
 
 
 # ---------------------------------------------------------------------------
-# Printing.
+# Options and verifications (printing: `kups._demo_report`).
 # ---------------------------------------------------------------------------
 
 
@@ -138,58 +138,6 @@ class Options:
     color: bool = False
 
 
-class _Report:
-    """Prints the demo and tallies its verifications."""
-
-    def __init__(self, color: bool):
-        self.color = color
-        self.passed = 0
-        self.failed: list[str] = []
-
-    def style(self, text: str, code: str) -> str:
-        return f"\033[{code}m{text}\033[0m" if self.color else text
-
-    def heading(self, text: str) -> None:
-        print()
-        print(self.style(text, "1"))
-        print(self.style("-" * len(text), "1"))
-
-    def text(self, text: str = "") -> None:
-        print(text)
-
-    def para(self, text: str, indent: str = "", dim: bool = False) -> None:
-        """Prints `text` wrapped to 88 columns."""
-        text = textwrap.fill(text, 88, initial_indent=indent, subsequent_indent=indent)
-        print(self.dim(text) if dim else text)
-
-    def dim(self, text: str) -> str:
-        return self.style(text, "2")
-
-    def verify(self, ok: bool, claim: str, detail: str = "") -> None:
-        """Prints `[ok] claim` or `[FAIL] claim: detail` and tallies it."""
-        if ok:
-            self.passed += 1
-            print(f"  {self.style('[ok]', '32')} {claim}")
-        else:
-            self.failed.append(claim)
-            print(f"  {self.style('[FAIL]', '31;1')} {claim}" + (f": {detail}" if detail else ""))
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> str:
-    """A plain text table: the first column left-aligned, the others right-aligned."""
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(row: Sequence[str]) -> str:
-        cells = [
-            cell.ljust(width) if i == 0 else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(row, widths))
-        ]
-        return indent + "  ".join(cells).rstrip()
-
-    rule = indent + "  ".join("-" * width for width in widths)
-    return "\n".join([line(header), rule, *(line(row) for row in rows)])
-
-
 def _line_of(snippet: str) -> int:
     """The line of this file that holds `snippet` (the demo's expected answers)."""
     with open(__file__, encoding="utf-8") as source:
@@ -199,7 +147,7 @@ def _line_of(snippet: str) -> int:
     raise AssertionError(f"{snippet!r} is not in {__file__}")
 
 
-def _same_losses(report: _Report, what: str, losses: Any, plain: Any) -> None:
+def _same_losses(report: Report, what: str, losses: Any, plain: Any) -> None:
     losses, plain = np.asarray(losses), np.asarray(plain)
     difference = float(np.max(np.abs(losses - plain)))
     report.verify(
@@ -225,7 +173,7 @@ class _Setup:
     plain_losses: np.ndarray
 
 
-def _counts(setup: _Setup, report: _Report) -> None:
+def _counts(setup: _Setup, report: Report) -> None:
     options, steps, devices = setup.options, setup.options.steps, setup.options.devices
     report.heading("kups.instrument.count_primitives: what ran, and how often")
     report.para(
@@ -262,7 +210,7 @@ def _counts(setup: _Setup, report: _Report) -> None:
     ]
     report.text()
     header = ["primitive", "per shard and step", "per SGD update", "total"]
-    report.text(_table(header, rows))
+    report.text(table(header, rows))
     in_bodies = steps * devices * sum(per_shard.values())
     in_updates = steps * sum(per_update.values())
     report.text(
@@ -304,7 +252,7 @@ def _counts(setup: _Setup, report: _Report) -> None:
     del options
 
 
-def _reap(setup: _Setup, report: _Report) -> None:
+def _reap(setup: _Setup, report: Report) -> None:
     options = setup.options
     report.heading("kups.harvest.reap: an activation statistic, per step and shard")
     report.para(
@@ -321,7 +269,7 @@ def _reap(setup: _Setup, report: _Report) -> None:
         [str(step), *(f"{value:.3f}" for value in row), f"{row.mean():.3f}"]
         for step, row in enumerate(active)
     ]
-    report.text(_table(header, rows))
+    report.text(table(header, rows))
     report.text()
 
     # The oracle: the same steps in a Python loop of plain JAX, and the statistic
@@ -352,7 +300,7 @@ def _reap(setup: _Setup, report: _Report) -> None:
     _same_losses(report, "reap", losses, setup.plain_losses)
 
 
-def _checks(setup: _Setup, report: _Report) -> None:
+def _checks(setup: _Setup, report: Report) -> None:
     options = setup.options
     report.heading("kups.checks: runtime checks inside jit, scan and shard_map")
     report.para(
@@ -397,7 +345,7 @@ def _checks(setup: _Setup, report: _Report) -> None:
     _same_losses(report, "checked", losses, setup.plain_losses)
 
 
-def _nans(setup: _Setup, report: _Report) -> None:
+def _nans(setup: _Setup, report: Report) -> None:
     options = setup.options
     report.heading("kups.debug.find_nans: where the first NaN came from")
     report.para(
@@ -447,7 +395,7 @@ def _nans(setup: _Setup, report: _Report) -> None:
     _same_losses(report, "find_nans", losses, setup.plain_losses)
 
 
-_SECTIONS: dict[str, Callable[[_Setup, _Report], None]] = {
+_SECTIONS: dict[str, Callable[[_Setup, Report], None]] = {
     "counts": _counts,
     "reap": _reap,
     "checks": _checks,
@@ -458,7 +406,7 @@ _SECTIONS: dict[str, Callable[[_Setup, _Report], None]] = {
 def run(options: Options) -> int:
     """Runs the demo's sections; returns 0 when every verification passed, else 1."""
     start = time.perf_counter()
-    report = _Report(options.color)
+    report = Report(options.color)
     devices = jax.devices()[: options.devices]
     mesh = jax.make_mesh((options.devices,), (AXIS,), axis_types=(AxisType.Auto,), devices=devices)
     train = make_train(mesh)
