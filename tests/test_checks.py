@@ -26,6 +26,7 @@ from kups.checks import (
     nan_checks,
     user_checks,
 )
+from kups.checks._first import first_true
 
 _SOURCE = pathlib.Path(__file__).read_text().splitlines()
 
@@ -811,6 +812,38 @@ def test_division_by_zero_names_the_element():
     ]
     assert error.message == "division by zero in 'div' (divisor element [2])"
     assert error.source.startswith("test_checks.py:")  # inside jnp's jitted floor_divide
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_the_failing_element_of_an_array_too_large_for_int32_positions(monkeypatch, large):
+    # Arrays of 2**31 elements or more are found axis by axis, not by an int32
+    # position: the threshold is lowered here so that small arrays take that path.
+    if large:
+        monkeypatch.setattr("kups.checks._first._MAX_SIZE", 4)
+        first, flat = first_true(jnp.zeros((2, 3), bool).at[1, 0].set(True))
+        assert flat is None and first.tolist() == [1, 0]
+
+    def take(x, rows, cols):
+        return x[rows, cols]  # two index axes
+
+    x = jnp.zeros((3, 4))
+    error = checked(take, errors=index_checks)(x, jnp.array([0, 2, 1]), jnp.array([3, 9, 1]))[1]
+    assert error.message == (
+        "out-of-bounds index 9 on axis 1 of an operand of shape (3, 4) in 'gather' "
+        "(in bounds: 0 to 3)"
+    )
+    divisors = jnp.ones((2, 3, 4), jnp.int32).at[1, 2, 0].set(0).at[1, 2, 3].set(0)
+    error = jax.jit(checked(lambda a, b: a // b, errors=div_checks))(divisors, divisors)[1]
+    assert error.message == "division by zero in 'div' (divisor element [1 2 0])"
+
+    def each(xs):
+        jax.vmap(jax.vmap(lambda x: check(x > 0, "element {}", x)))(xs)
+        return xs
+
+    xs = jnp.ones((3, 2)).at[1, 1].set(-2.0).at[2, 0].set(-3.0)
+    error = jax.jit(checked(each))(xs)[1]
+    assert error.message == "element -2.0"
+    assert error.get().startswith("element -2.0 at vmap index (1, 1)")
 
 
 def test_nan_made_from_nan_free_inputs_only():

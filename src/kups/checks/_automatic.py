@@ -22,7 +22,7 @@ from jax.extend.core import JaxprEqn
 from kups.effects import source_of
 
 from ._check import _FORMATTER, _scalar
-from ._first import first_true, unravel, value_at
+from ._first import first_true, last_axis, unravel, value_at
 
 user_checks: frozenset[str] = frozenset({"user"})
 """A `check(pred, ...)` whose predicate is false."""
@@ -212,7 +212,7 @@ def _out_of_bounds(
     bound = np.minimum(upper, np.iinfo(indices.dtype).max).astype(indices.dtype)
     outside = jnp.logical_or(indices < 0, indices > bound)
     first, flat = first_true(outside)
-    entry = first % len(layout.operand_axes)
+    entry = last_axis(first, len(layout.operand_axes))
     payload = [
         value_at(indices, flat, first, indices.ndim).astype(jnp.int32),
         jnp.asarray(layout.operand_axes, jnp.int32)[entry],
