@@ -1925,6 +1925,33 @@ def test_reap_a_sow_with_init_in_one_branch_of_a_cond(how):
             assert_tree_close(reaped["last"], expected if steps else jnp.float32(-1.0))
 
 
+@pytest.mark.parametrize("how", ["eager", "jit"])
+def test_plant_a_sow_with_init_in_one_branch_of_a_cond(how):
+    # The programs `reap` takes above, `plant` takes too: the planted value
+    # replaces the sow where it runs (equinox's bounded while loop is a scan of
+    # conds, so no sow in it could be planted before).
+    def step_value(h):
+        return sow(jnp.sin(h), tag="t", name="last", mode="clobber", init=-1.0)
+
+    def alone(p, x):
+        return lax.cond(p > 0, step_value, lambda h: h, x)
+
+    def bounded(p, x):
+        cond = lambda c: c[0] < p  # noqa: E731
+        body = lambda c: (c[0] + 1, step_value(c[1]))  # noqa: E731
+        return eqxi.while_loop(cond, body, (0, x), max_steps=5, kind="bounded")[1]
+
+    def lax_while(p, x):
+        return lax.while_loop(lambda c: c[0] < p, lambda c: (c[0] + 1, step_value(c[1])), (0, x))[1]
+
+    x, planted = jnp.float32(1.0), {"last": jnp.float32(10.0)}
+    for fn in (alone, bounded, lax_while):
+        wrapped = plant(fn, tag="t")
+        wrapped = jax.jit(wrapped) if how == "jit" else wrapped
+        assert_tree_close(wrapped(planted, 3, x), jnp.float32(10.0))
+        assert_tree_close(wrapped(planted, 0, x), x)
+
+
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
 def test_reap_while_init_inside_shard_map(axis_type):
     mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(axis_type,) * 2)

@@ -45,7 +45,7 @@ from ._planted import (
     unused_paths,
     varying_axes_of,
 )
-from ._rules import check_cond, check_scan, check_while
+from ._rules import check_cond, check_scan, check_while, given_by_init
 from ._selection import Selection, pass_through, selective_interpreter, sows_in
 from ._sow import sow_p, split_operands
 
@@ -179,11 +179,11 @@ class Planter:
     def cond(
         self, interpreter: Interpreter, ctx: Planted, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
-        sown = [
-            {path_of(e): e for e in self.planted_sows(ctx, branch)}
-            for branch in eqn.params["branches"]
-        ]
-        check_cond(self.tag, sown, eqn, self.seen)
+        branches = [self.planted_sows(ctx, branch) for branch in eqn.params["branches"]]
+        sown = [{path_of(e): e for e in sows} for sows in branches]
+        # As in `reap`: a name that a branch does not sow may have its `init` then.
+        given = {path for path, _ in given_by_init(self.tag, branches, self.seen)}
+        check_cond(self.tag, sown, eqn, self.seen | given)
         return default_cond_handler(interpreter, ctx, eqn, invals)
 
     def shard_map(

@@ -11,6 +11,7 @@ from jax.extend.core import JaxprEqn
 from kups.effects import source_line
 
 from ._names import SowPath, Tag, describe, path_of
+from ._reaped import init_of
 
 
 def check_scan(tag: Tag, sows: list[JaxprEqn], eqn: JaxprEqn) -> None:
@@ -68,3 +69,22 @@ def check_cond(
                 f"not sow it runs), or sow an initial value with mode='clobber' before "
                 f"the cond."
             )
+
+
+def given_by_init(
+    tag: Tag, branches: list[list[JaxprEqn]], known: Collection[SowPath]
+) -> list[tuple[SowPath, JaxprEqn]]:
+    """The names not `known` before a cond that some branch does not sow, whose
+    value then is their sows' `init` (every sow of the name in the branches is an
+    unconditional clobber), each with the sow that gives the `init`."""
+    given = []
+    for path in sorted({path_of(e) for sows in branches for e in sows} - set(known)):
+        if all(any(path_of(e) == path for e in sows) for sows in branches):
+            continue
+        in_branches = [e for sows in branches for e in sows if path_of(e) == path]
+        init = init_of(tag, path, in_branches)
+        if init is not None and all(
+            e.params["mode"] == "clobber" and not e.params["conditional"] for e in in_branches
+        ):
+            given.append((path, init))
+    return given

@@ -16,6 +16,7 @@ from kups.effects import source_line, varying_axes
 
 from ._names import LazyLine, SowPath, Tag, path_of
 from ._reaped import Reaped, filled_with_init, init_of
+from ._rules import given_by_init
 from ._selection import sows_around
 from ._sow import split_operands
 
@@ -157,15 +158,8 @@ class Seeding:
         """`ctx` with each clobber name that some branch of a cond does not sow, and
         that has no value yet, set to its sow's `init` (what the name holds when a
         branch that does not sow it runs)."""
-        for path in {path_of(e) for sows in branches for e in sows} - set(ctx.values):
-            if all(any(path_of(e) == path for e in sows) for sows in branches):
-                continue
-            in_branches = [e for sows in branches for e in sows if path_of(e) == path]
-            init = init_of(self.tag, path, in_branches)
-            if init is not None and all(
-                e.params["mode"] == "clobber" and not e.params["conditional"] for e in in_branches
-            ):
-                ctx = self._init_value(ctx, init)
+        for _, init in given_by_init(self.tag, branches, ctx.values):
+            ctx = self._init_value(ctx, init)
         return ctx
 
     def _always_sows(self, path: SowPath, outer: JaxprEqn) -> bool:
