@@ -304,6 +304,28 @@ def test_nested_scans_report_every_iteration():
     expect(report_of(f, xs, ys), "log", "log-in-inner-scan", kind="inf", iterations=[2, 1])
 
 
+@pytest.mark.parametrize("inner", ["scan", "fori_loop"])
+def test_an_array_carried_through_an_inner_loop(inner):
+    # The outer carry (rows of an array) is the inner loop's carry: both reports
+    # follow it through (the inner loop's layout read on every JAX release).
+    def halve_root(c):
+        return jnp.sqrt(c - 0.5)  # inner-sqrt
+
+    def inner_loop(c):
+        if inner == "scan":
+            return lax.scan(lambda cc, _: (halve_root(cc), None), c, None, length=2)[0]
+        return lax.fori_loop(0, 2, lambda j, cc: halve_root(cc), c)
+
+    def f(x):
+        return lax.scan(lambda c, _: (inner_loop(c), None), x, None, length=3)[0]
+
+    # 1 -> sqrt(0.5) -> sqrt(0.21) ~ 0.46 -> sqrt(-0.04): NaN at outer 1, inner 0.
+    for report in ("reaching", "first"):
+        expect(
+            report_of(f, jnp.ones((4, 2)), report=report), "sqrt", "inner-sqrt", iterations=[1, 0]
+        )
+
+
 def test_fori_loop():
     def f(x):
         return lax.fori_loop(0, 10, lambda i, v: jnp.sqrt(v - 1.0), x)  # sqrt-in-fori
@@ -1558,6 +1580,22 @@ def test_nan_in_an_argument_is_not_blamed_on_an_equation_that_only_moves_it(repo
     expect(report_of(joined, x, jnp.ones(2), report=report), "add", "joined-arg")
     # Only moved to the output: no equation computed with it, nothing is reported.
     assert report_of(lambda x: x.reshape(2, 2).T, x, report=report).found is False
+
+    # Nor on one that stops its gradient, fences it or puts it on a device (lineax
+    # stops the gradient of an operator's matrix).
+    movers = {
+        "stop_gradient": lax.stop_gradient,
+        "optimization_barrier": lax.optimization_barrier,
+        "device_put": jax.device_put,
+    }
+    for name, move in movers.items():
+
+        def moved(x, move=move):
+            return jnp.exp(move(x)) * 2.0  # exp-of-moved-arg
+
+        found = report_of(moved, x, report=report)
+        assert found.primitive == "exp", name
+        expect(found, "exp", "exp-of-moved-arg")
 
 
 @pytest.mark.parametrize("report", ["reaching", "first"])

@@ -25,7 +25,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.extend.core import JaxprEqn, Literal
 
-from ._sites import widening_cast
+from ._sites import scan_layout, widening_cast
 from ._taint_origin import _FINE, _not_finite, _Origin, _shape
 from ._taint_pieces import positions, window
 
@@ -220,7 +220,7 @@ def _through(eqn: JaxprEqn, j: int) -> tuple[int, bool] | None:
         return (start + j, True) if found[j] else None
     if name == "scan":
         body = _open(eqn.params["jaxpr"])
-        consts, carries = eqn.params["num_consts"], eqn.params["num_carry"]
+        consts, carries = scan_layout(eqn)
         if j >= carries:
             return None
         found = carried_rows(body, body.invars[consts : consts + carries], body.outvars[:carries])

@@ -21,6 +21,9 @@ _MOVES = frozenset(
         "sharding_constraint",
         "mesh_cast",
         "reshard",
+        "stop_gradient",
+        "optimization_barrier",
+        "device_put",
     }
 )
 
