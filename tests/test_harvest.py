@@ -730,6 +730,64 @@ def test_reap_custom_vjp_body():
 # ---------------------------------------------------------------- reap under transformations
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_reap_of_grad_keeps_the_forward_value_of_a_sow_a_backward_rule_runs_again(jit):
+    # equinox's checkpointed while loop (diffrax's default adjoint) runs the body
+    # again in its backward rule, last at the first iteration: the forward pass's
+    # last value is the one reaped, as from the function itself.
+    def body(c):
+        i, x = c
+        x = jnp.sin(x) * 1.1
+        sow(jnp.sum(x), tag="t", name="last", mode="clobber", init=0.0)
+        return i + 1, x
+
+    def loop(kind):
+        def f(x):
+            out = eqxi.while_loop(lambda c: c[0] < 5, body, (0, x), max_steps=8, kind=kind)
+            return jnp.sum(out[1] ** 2)
+
+        return f
+
+    # A custom_vjp whose backward rule computes the forward again.
+    def forward(x):
+        return sow(x * 2.0, tag="t", name="last", mode="clobber")
+
+    twice = jax.custom_vjp(forward)
+    twice.defvjp(lambda x: (forward(x), x), lambda x, g: jax.vjp(forward, x)[1](g))
+
+    def recomputed(x):
+        return jnp.sum(twice(x + 1.0) ** 2)
+
+    x = jnp.linspace(0.1, 1.0, 3)
+    for f in (loop("checkpointed"), loop("bounded"), recomputed):
+        wrap = jax.jit if jit else (lambda g: g)
+        expected = reap(f, tag="t")(x)[1]["last"]
+        grads, sown = wrap(reap(jax.grad(f), tag="t"))(x)
+        assert_tree_close(sown["last"], expected)
+        assert_tree_close(grads, jax.grad(f)(x))
+        assert_tree_close(wrap(reap(jax.value_and_grad(f), tag="t"))(x)[1]["last"], expected)
+
+
+def test_reap_of_grad_takes_a_sow_only_the_backward_rule_makes():
+    # A name first sown by a backward rule (a cotangent tap) is reaped as usual.
+    @jax.custom_vjp
+    def tap(x):
+        return x
+
+    def tap_backward(_, g):
+        return (sow(g, tag="t", name="cotangent", mode="clobber"),)
+
+    tap.defvjp(lambda x: (x, None), tap_backward)
+
+    def f(x):
+        return jnp.sum(jnp.sin(tap(x)) * 3.0)
+
+    x = jnp.linspace(0.1, 1.0, 3)
+    grads, sown = reap(jax.grad(f), tag="t")(x)
+    assert_tree_close(sown["cotangent"], 3.0 * jnp.cos(x))
+    assert_tree_close(grads, 3.0 * jnp.cos(x))
+
+
 def test_reap_under_grad_with_sown_values_used_and_unused():
     def f(x):
         sow(x**3, tag="t", name="unused")

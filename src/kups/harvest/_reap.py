@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -11,17 +11,21 @@ import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from kups.effects import (
+    Dispatcher,
+    Handler,
     HandlerResult,
     Interpreter,
     InterpreterPolicy,
     ScanSemantics,
     check_policy,
     default_cond_handler,
+    default_dispatcher,
     default_scan_handler,
     default_shard_map_handler,
     default_while_handler,
     reinterpret,
     shard_map_axes,
+    skip_when_untouched,
     source_line,
     stage_eagerly,
     wraps_with_leading,
@@ -43,6 +47,50 @@ from ._selection import (
 from ._sow import split_operands
 
 
+def _transposed(eqn: JaxprEqn) -> bool:
+    """Whether JAX made `eqn` by transposing (in the backward pass of a `grad`)."""
+    return "transpose(" in str(eqn.source_info.name_stack)
+
+
+class _Reaping(Interpreter):
+    """The interpreter of one `reap` call, which its `reaper`'s handlers drive."""
+
+    reaper: Reaper
+
+
+def _counted(handler: Handler) -> Handler:
+    """A default control-flow handler that counts, in `reaper.backward`, the
+    equations of a backward pass it is inside while it runs."""
+
+    def counted(interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]) -> Any:
+        if not _transposed(eqn):
+            return handler(interpreter, ctx, eqn, invals)
+        interpreter.reaper.backward += 1
+        try:
+            return handler(interpreter, ctx, eqn, invals)
+        finally:
+            interpreter.reaper.backward -= 1
+
+    return counted
+
+
+# The default handlers at the time, and the dispatcher of them all `_counted`.
+_COUNTING: tuple[Mapping[str, Handler], Dispatcher] | None = None
+
+
+def _counting_dispatcher() -> Dispatcher:
+    """A fresh dispatcher of the default handlers, each `_counted` (built once, and
+    again when a handler module registers more)."""
+    global _COUNTING
+    plain = default_dispatcher()
+    handlers = plain.handlers
+    if _COUNTING is None or _COUNTING[0] != handlers:
+        for name, handler in handlers.items():
+            plain.register_handler(name, skip_when_untouched(_counted(handler)))
+        _COUNTING = (handlers, plain)
+    return _COUNTING[1].copy()
+
+
 class Reaper(Seeding):
     """The handlers of one `reap` call (one tag), and what they remember for
     error messages: where each name was first sown."""
@@ -51,6 +99,10 @@ class Reaper(Seeding):
         self.selection = selection
         self.tag = selection.tag
         self.first_sown: dict[SowPath, str | LazyLine] = {}
+        # The names sown in the forward pass, and how many equations around the
+        # one being interpreted JAX made by transposing (a backward pass).
+        self.forward: set[SowPath] = set()
+        self.backward = 0
 
     def sows(self, jaxpr: Jaxpr | ClosedJaxpr) -> list[JaxprEqn]:
         return [eqn for eqn in sows_in(jaxpr) if self.selection.selects(eqn)]
@@ -66,7 +118,19 @@ class Reaper(Seeding):
             "shard_map": self.shard_map,
         }
         always = {"custom_jvp_call": functools.partial(reap_custom_jvp, self)}
-        return selective_interpreter(self.selection, caller, policy, self.sow, loops, always)
+        interpreter = selective_interpreter(
+            self.selection,
+            caller,
+            policy,
+            self.sow,
+            loops,
+            always,
+            base=_counting_dispatcher(),
+            kind=_Reaping,
+        )
+        assert isinstance(interpreter, _Reaping)
+        interpreter.reaper = self
+        return interpreter
 
     def result(self, ctx: Reaped) -> dict[str, Any]:
         """The reaped values as nested dicts (a scope is a dict of its names)."""
@@ -88,6 +152,15 @@ class Reaper(Seeding):
         untaken = pass_through(self.selection, interpreter, ctx, eqn, invals)
         if untaken is not None:
             return untaken
+        path = (*eqn.params["scope"], eqn.params["name"])
+        if self.backward or _transposed(eqn):
+            if path in self.forward and eqn.params["mode"] == "clobber":
+                # A backward pass that runs the forward one again (the `custom_vjp`
+                # of a checkpointed loop, such as diffrax's default adjoint) sows
+                # again: the forward pass's value stays.
+                return HandlerResult(ctx, list(invals))
+        else:
+            self.forward.add(path)
         return HandlerResult(self.add(ctx, eqn.params, invals, LazyLine(eqn)), list(invals))
 
     def add(
@@ -171,132 +244,156 @@ class Reaper(Seeding):
     def scan(
         self, interpreter: Interpreter, ctx: Reaped, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
-        in_body = self.sows(eqn.params["jaxpr"])
-        check_scan(self.tag, in_body, eqn)
-        ctx = self.carried_clobbers(self.seeded(ctx, in_body, eqn), in_body, eqn)
-        ctx = with_batched(ctx, in_body)
-        # Names new in the body come back stacked along the iterations, entry i
-        # belonging to xs[i]; names sown before the scan are carried.
-        result = default_scan_handler(interpreter, ctx, eqn, invals, threading=ScanSemantics.RESULT)
-        out: Reaped = result.ctx
-        length, reverse = eqn.params["length"], eqn.params["reverse"]
-        # The last iteration to run is the last entry, or the first one when reversed.
-        last = 0 if reverse else -1
-        values = {}
-        for path, value in out.values.items():
-            if path in ctx.values or out.modes[path] != "clobber":
-                values[path] = value
-            elif length > 0:
-                values[path] = jax.tree.map(
-                    lambda stacked: jax.lax.index_in_dim(stacked, last, keepdims=False), value
-                )
-            else:
-                # A clobber name first sown in a scan that never runs has no value,
-                # unless its sow says what a zero-trip loop yields.
-                init = init_of(self.tag, path, in_body)
-                if init is not None:
+        backward = _transposed(eqn)
+        self.backward += backward
+        try:
+            in_body = self.sows(eqn.params["jaxpr"])
+            check_scan(self.tag, in_body, eqn)
+            ctx = self.carried_clobbers(self.seeded(ctx, in_body, eqn), in_body, eqn)
+            ctx = with_batched(ctx, in_body)
+            # Names new in the body come back stacked along the iterations, entry i
+            # belonging to xs[i]; names sown before the scan are carried.
+            result = default_scan_handler(
+                interpreter, ctx, eqn, invals, threading=ScanSemantics.RESULT
+            )
+            out: Reaped = result.ctx
+            length, reverse = eqn.params["length"], eqn.params["reverse"]
+            # The last iteration to run is the last entry, or the first one when reversed.
+            last = 0 if reverse else -1
+            values = {}
+            for path, value in out.values.items():
+                if path in ctx.values or out.modes[path] != "clobber":
+                    values[path] = value
+                elif length > 0:
                     values[path] = jax.tree.map(
-                        lambda stacked, init=init: filled_with_init(
-                            self.tag,
-                            init.params,
-                            source_line(init),
-                            jax.ShapeDtypeStruct(stacked.shape[1:], stacked.dtype),
-                        ),
-                        value,
+                        lambda stacked: jax.lax.index_in_dim(stacked, last, keepdims=False), value
                     )
-        return HandlerResult(out.replace(values), result.outvals)
+                else:
+                    # A clobber name first sown in a scan that never runs has no value,
+                    # unless its sow says what a zero-trip loop yields.
+                    init = init_of(self.tag, path, in_body)
+                    if init is not None:
+                        values[path] = jax.tree.map(
+                            lambda stacked, init=init: filled_with_init(
+                                self.tag,
+                                init.params,
+                                source_line(init),
+                                jax.ShapeDtypeStruct(stacked.shape[1:], stacked.dtype),
+                            ),
+                            value,
+                        )
+            return HandlerResult(out.replace(values), result.outvals)
+        finally:
+            self.backward -= backward
 
     def while_loop(
         self, interpreter: Interpreter, ctx: Reaped, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
-        params = eqn.params
-        in_condition = self.sows(params["cond_jaxpr"])
-        in_loop = [*in_condition, *self.sows(params["body_jaxpr"])]
-        check_while(self.tag, in_loop, eqn)
-        ctx = with_batched(self.seeded(ctx, in_loop, eqn), in_loop)
-        inits: dict[SowPath, JaxprEqn] = {}
-        for sow_eqn in in_loop:
-            path = path_of(sow_eqn)
-            if path not in ctx.values:
-                init = init_of(self.tag, path, in_loop)
-                if init is None:
+        backward = _transposed(eqn)
+        self.backward += backward
+        try:
+            params = eqn.params
+            in_condition = self.sows(params["cond_jaxpr"])
+            in_loop = [*in_condition, *self.sows(params["body_jaxpr"])]
+            check_while(self.tag, in_loop, eqn)
+            ctx = with_batched(self.seeded(ctx, in_loop, eqn), in_loop)
+            inits: dict[SowPath, JaxprEqn] = {}
+            for sow_eqn in in_loop:
+                path = path_of(sow_eqn)
+                if path not in ctx.values:
+                    init = init_of(self.tag, path, in_loop)
+                    if init is None:
+                        raise ValueError(
+                            f"{self.label(path)} is first sown at {source_line(sow_eqn)}, inside "
+                            f"the while_loop at {source_line(eqn)}. The loop may run zero "
+                            f"times, and then the name would have no value; kups does not invent "
+                            f"one. Sow an initial value with mode='clobber' before the loop, or "
+                            f"say what a zero-trip loop yields with "
+                            f"sow(..., mode='clobber', init=<number>)."
+                        )
+                    inits[path] = init
+            ctx = self.preseeded(ctx, inits, in_loop, eqn)
+
+            def initializer(ctx_before: Reaped, sentinel: Reaped) -> Reaped:
+                new = [path for path in sentinel.values if path not in ctx_before.values]
+                if not new:
+                    names = sorted({show_path(path_of(e)) for e in in_loop})
                     raise ValueError(
-                        f"{self.label(path)} is first sown at {source_line(sow_eqn)}, inside "
-                        f"the while_loop at {source_line(eqn)}. The loop may run zero "
-                        f"times, and then the name would have no value; kups does not invent "
-                        f"one. Sow an initial value with mode='clobber' before the loop, or "
-                        f"say what a zero-trip loop yields with "
-                        f"sow(..., mode='clobber', init=<number>)."
+                        f"kups.harvest: the while_loop at {source_line(eqn)} sows {names} (tag "
+                        f"{self.tag!r}) with a shape or dtype other than the value sown before "
+                        f"the loop. A while loop carries these values, so each sow must keep the "
+                        f"shape and dtype of the first one."
                     )
-                inits[path] = init
-        ctx = self.preseeded(ctx, inits, in_loop, eqn)
+                values = dict(sentinel.values)
+                for path in new:
+                    values[path] = jax.tree.map(
+                        functools.partial(
+                            filled_with_init, self.tag, inits[path].params, source_line(inits[path])
+                        ),
+                        sentinel.values[path],
+                    )
+                return sentinel.replace(values)
 
-        def initializer(ctx_before: Reaped, sentinel: Reaped) -> Reaped:
-            new = [path for path in sentinel.values if path not in ctx_before.values]
-            if not new:
-                names = sorted({show_path(path_of(e)) for e in in_loop})
-                raise ValueError(
-                    f"kups.harvest: the while_loop at {source_line(eqn)} sows {names} (tag "
-                    f"{self.tag!r}) with a shape or dtype other than the value sown before "
-                    f"the loop. A while loop carries these values, so each sow must keep the "
-                    f"shape and dtype of the first one."
-                )
-            values = dict(sentinel.values)
-            for path in new:
-                values[path] = jax.tree.map(
-                    functools.partial(
-                        filled_with_init, self.tag, inits[path].params, source_line(inits[path])
-                    ),
-                    sentinel.values[path],
-                )
-            return sentinel.replace(values)
-
-        return default_while_handler(
-            interpreter,
-            ctx,
-            eqn,
-            invals,
-            initializer=initializer,
-            thread_condition=bool(in_condition),
-        )
+            return default_while_handler(
+                interpreter,
+                ctx,
+                eqn,
+                invals,
+                initializer=initializer,
+                thread_condition=bool(in_condition),
+            )
+        finally:
+            self.backward -= backward
 
     def cond(
         self, interpreter: Interpreter, ctx: Reaped, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
-        branches = [self.sows(branch) for branch in eqn.params["branches"]]
-        in_branches = [e for sows in branches for e in sows]
-        ctx = self.seeded_for_cond(self.seeded(ctx, in_branches, eqn), branches)
-        ctx = with_batched(ctx, in_branches)
-        sown = [{path_of(e): e for e in sows} for sows in branches]
-        check_cond(self.tag, sown, eqn, ctx.values)
-        return default_cond_handler(interpreter, ctx, eqn, invals)
+        backward = _transposed(eqn)
+        self.backward += backward
+        try:
+            branches = [self.sows(branch) for branch in eqn.params["branches"]]
+            in_branches = [e for sows in branches for e in sows]
+            ctx = self.seeded_for_cond(self.seeded(ctx, in_branches, eqn), branches)
+            ctx = with_batched(ctx, in_branches)
+            sown = [{path_of(e): e for e in sows} for sows in branches]
+            check_cond(self.tag, sown, eqn, ctx.values)
+            return default_cond_handler(interpreter, ctx, eqn, invals)
+        finally:
+            self.backward -= backward
 
     def shard_map(
         self, interpreter: Interpreter, ctx: Reaped, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
-        _, manual_axes = shard_map_axes(eqn)
-        inside = {path_of(e) for e in self.sows(eqn.params["jaxpr"])}
+        backward = _transposed(eqn)
+        self.backward += backward
+        try:
+            _, manual_axes = shard_map_axes(eqn)
+            inside = {path_of(e) for e in self.sows(eqn.params["jaxpr"])}
 
-        def per_shard(ctx: Reaped) -> Reaped:
-            # Each shard's value becomes its entry along a new leading axis.
-            return ctx.replace(
-                {
-                    path: jax.tree.map(lambda leaf: leaf[None], value) if path in inside else value
-                    for path, value in ctx.values.items()
-                }
+            def per_shard(ctx: Reaped) -> Reaped:
+                # Each shard's value becomes its entry along a new leading axis.
+                return ctx.replace(
+                    {
+                        path: jax.tree.map(lambda leaf: leaf[None], value)
+                        if path in inside
+                        else value
+                        for path, value in ctx.values.items()
+                    }
+                )
+
+            def out_specs(ctx_tree: Reaped) -> Reaped:
+                return ctx_tree.replace(
+                    {
+                        path: specs_like(value, (manual_axes,) if path in inside else ())
+                        for path, value in ctx_tree.values.items()
+                    }
+                )
+
+            return default_shard_map_handler(
+                interpreter, ctx, eqn, invals, declare_ctx_out_specs=out_specs, reduce_ctx=per_shard
             )
-
-        def out_specs(ctx_tree: Reaped) -> Reaped:
-            return ctx_tree.replace(
-                {
-                    path: specs_like(value, (manual_axes,) if path in inside else ())
-                    for path, value in ctx_tree.values.items()
-                }
-            )
-
-        return default_shard_map_handler(
-            interpreter, ctx, eqn, invals, declare_ctx_out_specs=out_specs, reduce_ctx=per_shard
-        )
+        finally:
+            self.backward -= backward
 
 
 def reap(

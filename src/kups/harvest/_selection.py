@@ -14,6 +14,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 from jax.sharding import PartitionSpec
 
 from kups.effects import (
+    Dispatcher,
     Handler,
     HandlerResult,
     Interpreter,
@@ -179,11 +180,16 @@ def selective_interpreter(
     sow: Handler,
     loops: Mapping[str, Handler],
     always: Mapping[str, Handler] | None = None,
+    *,
+    base: Dispatcher | None = None,
+    kind: type[Interpreter] = Interpreter,
 ) -> Interpreter:
-    """The interpreter of a reap or plant: `sow` for the sow primitive, and the
-    `loops` handlers, which act only when a sow is inside (so control flow with
-    none is re-bound whole)."""
-    dispatcher = default_dispatcher().register_handler(sow_p, sow)
+    """The interpreter (of `kind`) of a reap or plant: `sow` for the sow primitive,
+    and the `loops` handlers, which act only when a sow is inside (so control flow
+    with none is re-bound whole); the other handlers are `base`'s, by default the
+    default ones."""
+    dispatcher = default_dispatcher() if base is None else base
+    dispatcher.register_handler(sow_p, sow)
     for name, handler in loops.items():
         dispatcher.register_handler(name, skip_when_untouched(handler))
     for name, handler in (always or {}).items():
@@ -199,7 +205,7 @@ def selective_interpreter(
             and selection.takes((*params["scope"], params["name"]))
         )
 
-    return Interpreter(
+    return kind(
         dispatcher,
         policy=policy,
         label=f"kups.harvest.{caller}({selection})",
