@@ -318,6 +318,15 @@ def test_diffrax_sow_in_vector_field(dfx: ModuleType) -> None:
         assert_trees_equal(ys, ode_solver(dfx, decay, dfx.DirectAdjoint())(*ODE_ARGS)[0], "ys")
         assert_trees_equal(reaped, {"t": jnp.float32(2.0)}, "reaped with DirectAdjoint")
 
+    # Under jax.grad, the default adjoint's backward pass runs the steps again, the
+    # first last: the forward pass's value is still the one reaped.
+    def loss(y0: jax.Array, k: jax.Array) -> jax.Array:
+        return jnp.sum(ode_solver(dfx, vector_field)(y0, k)[0])
+
+    grads, reaped = reap(jax.grad(loss, argnums=1), tag="ode")(*ODE_ARGS)
+    assert_trees_equal(reaped, {"t": jnp.float32(2.0)}, "reaped under grad")
+    np.testing.assert_allclose(grads, jax.grad(loss, argnums=1)(*ODE_ARGS), rtol=1e-6)
+
 
 def implicit_solver(
     dfx: ModuleType,
@@ -423,14 +432,23 @@ def sqrt_decay(t: jax.Array, y: jax.Array, args: Any) -> jax.Array:
 SQRT_DECAY_LINE = sqrt_decay.__code__.co_firstlineno + 1
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["checkpointed", "direct"])
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_diffrax_euler_find_nans_names_the_vector_field(dfx: ModuleType, jit: bool) -> None:
+def test_diffrax_euler_find_nans_names_the_vector_field(
+    dfx: ModuleType, jit: bool, direct: bool
+) -> None:
     # Constant steps of 0.1: step 6 (t = 0.6) makes the NaN that reaches the
     # output. The saved-output buffer starts as Inf and is carried through the
     # loop; the final write replaces all of it, so its Inf is not what reaches.
+    # DirectAdjoint's loop is equinox's bounded while loop: nested scans whose
+    # carries go through one another.
+    adjoint = dfx.DirectAdjoint() if direct else dfx.RecursiveCheckpointAdjoint()
+
     def solve(y0: jax.Array) -> jax.Array:
         term = dfx.ODETerm(sqrt_decay)
-        return dfx.diffeqsolve(term, dfx.Euler(), t0=0.0, t1=1.0, dt0=0.1, y0=y0).ys
+        return dfx.diffeqsolve(
+            term, dfx.Euler(), t0=0.0, t1=1.0, dt0=0.1, y0=y0, adjoint=adjoint
+        ).ys
 
     y0 = jnp.ones(2)
     wrapped = jax.jit(find_nans(solve)) if jit else find_nans(solve)
@@ -439,7 +457,7 @@ def test_diffrax_euler_find_nans_names_the_vector_field(dfx: ModuleType, jit: bo
     assert bool(jnp.all(jnp.isnan(out)))
     assert (report.found, report.kind, report.primitive) == (True, "nan", "sqrt")
     assert report.source == f"test_ecosystem.py:{SQRT_DECAY_LINE}"
-    assert report.iteration == (6,)
+    assert report.iteration == ((0, 0, 6) if direct else (6,))
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
