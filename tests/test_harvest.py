@@ -1938,30 +1938,36 @@ def test_reap_nested_while_a_shared_body_sown_in_a_branch_and_directly():
     assert_tree_close(reaped["v"], jnp.float32(4.5))
 
 
+# A clobber sow with init=, in one branch of a cond: alone, in equinox's bounded
+# while loop (a scan of conds) and in a while loop, each stepping `p` times.
+def step_value(h):
+    return sow(jnp.sin(h), tag="t", name="last", mode="clobber", init=-1.0)
+
+
+def alone(p, x):
+    return lax.cond(p > 0, step_value, lambda h: h, x)
+
+
+def bounded(p, x):
+    cond = lambda c: c[0] < p  # noqa: E731
+    body = lambda c: (c[0] + 1, step_value(c[1]))  # noqa: E731
+    return eqxi.while_loop(cond, body, (0, x), max_steps=5, kind="bounded")[1]
+
+
+def lax_while(p, x):
+    return lax.while_loop(lambda c: c[0] < p, lambda c: (c[0] + 1, step_value(c[1])), (0, x))[1]
+
+
 @pytest.mark.parametrize("how", ["eager", "jit", "vmap"])
 def test_reap_a_sow_with_init_in_one_branch_of_a_cond(how):
     # A cond (alone, in a scan, and in equinox's bounded while loop, which is a
     # scan of conds): a branch that does not sow leaves the name as it was, its
     # init before any sow, as a while loop that runs no step does.
-    def step_value(h):
-        return sow(jnp.sin(h), tag="t", name="last", mode="clobber", init=-1.0)
-
-    def alone(p, x):
-        return lax.cond(p > 0, step_value, lambda h: h, x)
-
     def scanned(p, x):
         def step(c, _):
             return lax.cond(c[0] < p, lambda c: (c[0] + 1, step_value(c[1])), lambda c: c, c), None
 
         return lax.scan(step, (0, x), length=5)[0][1]
-
-    def bounded(p, x):
-        cond = lambda c: c[0] < p  # noqa: E731
-        body = lambda c: (c[0] + 1, step_value(c[1]))  # noqa: E731
-        return eqxi.while_loop(cond, body, (0, x), max_steps=5, kind="bounded")[1]
-
-    def lax_while(p, x):
-        return lax.while_loop(lambda c: c[0] < p, lambda c: (c[0] + 1, step_value(c[1])), (0, x))[1]
 
     def run(fn, p, x):
         wrapped = reap(fn, tag="t")
@@ -1988,20 +1994,6 @@ def test_plant_a_sow_with_init_in_one_branch_of_a_cond(how):
     # The programs `reap` takes above, `plant` takes too: the planted value
     # replaces the sow where it runs (equinox's bounded while loop is a scan of
     # conds, so no sow in it could be planted before).
-    def step_value(h):
-        return sow(jnp.sin(h), tag="t", name="last", mode="clobber", init=-1.0)
-
-    def alone(p, x):
-        return lax.cond(p > 0, step_value, lambda h: h, x)
-
-    def bounded(p, x):
-        cond = lambda c: c[0] < p  # noqa: E731
-        body = lambda c: (c[0] + 1, step_value(c[1]))  # noqa: E731
-        return eqxi.while_loop(cond, body, (0, x), max_steps=5, kind="bounded")[1]
-
-    def lax_while(p, x):
-        return lax.while_loop(lambda c: c[0] < p, lambda c: (c[0] + 1, step_value(c[1])), (0, x))[1]
-
     x, planted = jnp.float32(1.0), {"last": jnp.float32(10.0)}
     for fn in (alone, bounded, lax_while):
         wrapped = plant(fn, tag="t")
