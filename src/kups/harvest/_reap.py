@@ -52,6 +52,21 @@ def _transposed(eqn: JaxprEqn) -> bool:
     return "transpose(" in str(eqn.source_info.name_stack)
 
 
+class _Backward:
+    """While a handler runs: counts, in `reaper.backward`, whether its equation is
+    one JAX made by transposing. (A `with` block, not a wrapper: a frame more per
+    nesting level slows the tracing of nested programs.)"""
+
+    def __init__(self, reaper: Any, eqn: JaxprEqn) -> None:
+        self.reaper, self.count = reaper, int(_transposed(eqn))
+
+    def __enter__(self) -> None:
+        self.reaper.backward += self.count
+
+    def __exit__(self, *exc: object) -> None:
+        self.reaper.backward -= self.count
+
+
 class _Reaping(Interpreter):
     """The interpreter of one `reap` call, which its `reaper`'s handlers drive."""
 
@@ -63,13 +78,8 @@ def _counted(handler: Handler) -> Handler:
     equations of a backward pass it is inside while it runs."""
 
     def counted(interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]) -> Any:
-        if not _transposed(eqn):
+        with _Backward(interpreter.reaper, eqn):
             return handler(interpreter, ctx, eqn, invals)
-        interpreter.reaper.backward += 1
-        try:
-            return handler(interpreter, ctx, eqn, invals)
-        finally:
-            interpreter.reaper.backward -= 1
 
     return counted
 
@@ -244,9 +254,7 @@ class Reaper(Seeding):
     def scan(
         self, interpreter: Interpreter, ctx: Reaped, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
-        backward = _transposed(eqn)
-        self.backward += backward
-        try:
+        with _Backward(self, eqn):
             in_body = self.sows(eqn.params["jaxpr"])
             check_scan(self.tag, in_body, eqn)
             ctx = self.carried_clobbers(self.seeded(ctx, in_body, eqn), in_body, eqn)
@@ -283,15 +291,11 @@ class Reaper(Seeding):
                             value,
                         )
             return HandlerResult(out.replace(values), result.outvals)
-        finally:
-            self.backward -= backward
 
     def while_loop(
         self, interpreter: Interpreter, ctx: Reaped, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
-        backward = _transposed(eqn)
-        self.backward += backward
-        try:
+        with _Backward(self, eqn):
             params = eqn.params
             in_condition = self.sows(params["cond_jaxpr"])
             in_loop = [*in_condition, *self.sows(params["body_jaxpr"])]
@@ -342,15 +346,11 @@ class Reaper(Seeding):
                 initializer=initializer,
                 thread_condition=bool(in_condition),
             )
-        finally:
-            self.backward -= backward
 
     def cond(
         self, interpreter: Interpreter, ctx: Reaped, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
-        backward = _transposed(eqn)
-        self.backward += backward
-        try:
+        with _Backward(self, eqn):
             branches = [self.sows(branch) for branch in eqn.params["branches"]]
             in_branches = [e for sows in branches for e in sows]
             ctx = self.seeded_for_cond(self.seeded(ctx, in_branches, eqn), branches)
@@ -358,15 +358,11 @@ class Reaper(Seeding):
             sown = [{path_of(e): e for e in sows} for sows in branches]
             check_cond(self.tag, sown, eqn, ctx.values)
             return default_cond_handler(interpreter, ctx, eqn, invals)
-        finally:
-            self.backward -= backward
 
     def shard_map(
         self, interpreter: Interpreter, ctx: Reaped, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
-        backward = _transposed(eqn)
-        self.backward += backward
-        try:
+        with _Backward(self, eqn):
             _, manual_axes = shard_map_axes(eqn)
             inside = {path_of(e) for e in self.sows(eqn.params["jaxpr"])}
 
@@ -392,8 +388,6 @@ class Reaper(Seeding):
             return default_shard_map_handler(
                 interpreter, ctx, eqn, invals, declare_ctx_out_specs=out_specs, reduce_ctx=per_shard
             )
-        finally:
-            self.backward -= backward
 
 
 def reap(
