@@ -1098,6 +1098,77 @@ def test_plant_under_grad_with_respect_to_planted_values():
     assert_tree_close(jax.jit(jax.grad(loss))(planted), 2.0 * planted)
 
 
+def _rule_programs(h):
+    """Three programs whose derivative rules run the function again, each sowing
+    `sin(x)` as "h" (or using `h` instead when it is given): equinox's checkpointed
+    loop (a custom_vjp whose backward rule runs the body again, and a custom_jvp
+    rule inside), a custom_vjp and a custom_jvp whose rules call the function."""
+
+    def sown(x):
+        return sow(jnp.sin(x), tag="t", name="h", mode="clobber") if h is None else h
+
+    def body(c):
+        i, x = c
+        return i + 1, sown(x) * x + 0.1 * x
+
+    def loop(x):
+        out = eqxi.while_loop(lambda c: c[0] < 4, body, (0, x), max_steps=6, kind="checkpointed")
+        return jnp.sum(out[1] ** 2)
+
+    def times(x):
+        return sown(x) * x
+
+    by_vjp = jax.custom_vjp(times)
+    by_vjp.defvjp(lambda x: (times(x), x), lambda x, g: jax.vjp(times, x)[1](g))
+    by_jvp = jax.custom_jvp(times)
+    by_jvp.defjvp(lambda p, t: jax.jvp(times, p, t))
+    return {
+        "checkpointed loop": loop,
+        "custom_vjp": lambda x: jnp.sum(by_vjp(x + 1.0) ** 2),
+        "custom_jvp": lambda x: jnp.sum(by_jvp(x + 1.0) ** 2),
+    }
+
+
+@pytest.mark.parametrize("program", ["checkpointed loop", "custom_vjp", "custom_jvp"])
+@pytest.mark.parametrize("jit", ["eager", "jit inside", "jit outside"])
+def test_grad_of_plant_plants_the_sows_a_derivative_rule_runs(program, jit):
+    # JAX runs these rules only when it differentiates the planted function; their
+    # sows are planted too, and a planted value is a constant there as elsewhere:
+    # the derivative is the planted program's (here, with h fixed).
+    x = jnp.linspace(0.1, 1.0, 3)
+    h = jnp.array([0.5, -0.25, 2.0])
+    f = _rule_programs(None)[program]
+    expected = jax.value_and_grad(_rule_programs(h)[program])(x)
+
+    def planted(x):
+        return plant(f, tag="t")({"h": h}, x)
+
+    if jit == "jit inside":
+        got = jax.value_and_grad(jax.jit(planted))(x)
+    elif jit == "jit outside":
+        got = jax.jit(jax.value_and_grad(planted))(x)
+    else:
+        got = jax.value_and_grad(planted)(x)
+    assert_tree_close(got, expected)
+    # Another name planted: the function's own derivative.
+    unplanted = jax.grad(lambda x: plant(f, tag="other")({}, x))(x)
+    assert_tree_close(unplanted, jax.grad(f)(x))
+
+
+def test_grad_with_respect_to_planted_values_through_custom_derivatives():
+    # Custom derivatives (jax.nn.relu is a custom_jvp) between the plant and the
+    # sow keep the planted value's derivative.
+    def f(x):
+        y = sow(jnp.sin(x), tag="t", name="y")
+        return jnp.sum(jax.nn.relu(x) * sin_with_custom_vjp(x) + y**2)
+
+    x = jnp.linspace(0.1, 1.0, 3)
+    y = jnp.array([1.0, -2.0, 3.0])
+    grad_y = jax.grad(lambda y: plant(f, tag="t")({"y": y}, x))(y)
+    assert_tree_close(grad_y, 2.0 * y)
+    assert_tree_close(jax.jit(jax.grad(lambda y: plant(f, tag="t")({"y": y}, x)))(y), 2.0 * y)
+
+
 def test_plant_under_vmap():
     out = jax.vmap(plant(lambda x: sow(x * 2.0, tag="t", name="a") + 1.0, tag="t"))(
         {"a": XS * 10.0}, XS

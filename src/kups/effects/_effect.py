@@ -116,6 +116,18 @@ def seen() -> Iterator[None]:
         UNSEEN.top = previous
 
 
+@contextlib.contextmanager
+def watched(interpreter: Any, eqn: Any) -> Iterator[None]:
+    """While active, an effect that `interpreter` handles and that is bound is
+    one it never sees: code that `eqn` holds runs out of its sight (as when it
+    binds `eqn` unchanged)."""
+    previous, UNSEEN.top = UNSEEN.top, (interpreter, eqn)
+    try:
+        yield
+    finally:
+        UNSEEN.top = previous
+
+
 class EffectPrimitive(Primitive):
     """A primitive made by `define_effect`; see there."""
 

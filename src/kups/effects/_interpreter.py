@@ -16,7 +16,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Primitive
 
 from . import _compat, _policy
 from ._dispatcher import Dispatcher
-from ._effect import UNSEEN, LostEffectError, seen
+from ._effect import LostEffectError, seen, watched
 from ._meshes import ContextMesh
 from ._plan import Walk, walk_plan
 from ._policy import BackwardPass
@@ -284,11 +284,8 @@ class Interpreter:
                 **params,
                 "bwd": _compat.wrapped_in(params["bwd"], BackwardPass(self, eqn).watching),
             }
-        previous, UNSEEN.top = UNSEEN.top, (self, eqn)
-        try:
+        with watched(self, eqn):
             return _compat.bind_equation(eqn.primitive, params, invals)
-        finally:
-            UNSEEN.top = previous
 
     def _probe(self, eqn: JaxprEqn) -> None:
         """Staged, a library primitive may run the Python functions it holds only
@@ -302,15 +299,13 @@ class Interpreter:
         def bind(*values: Any) -> list[Any]:
             return _compat.bind_equation(eqn.primitive, eqn.params, values)
 
-        previous, UNSEEN.top = UNSEEN.top, (self, eqn)
-        try:
-            jax.jit(bind).lower(*args)
-        except LostEffectError:
-            raise
-        except Exception:  # noqa: BLE001 - the probe is best effort; the program ran
-            pass
-        finally:
-            UNSEEN.top = previous
+        with watched(self, eqn):
+            try:
+                jax.jit(bind).lower(*args)
+            except LostEffectError:
+                raise
+            except Exception:  # noqa: BLE001 - the probe is best effort; the program ran
+                pass
 
     def cannot_enter(self, eqn: JaxprEqn, action: str, consequence: str) -> None:
         """For a handler that meets an equation it cannot go inside (a library's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -18,6 +19,8 @@ from kups.effects import (
     InterpreterPolicy,
     check_policy,
     default_cond_handler,
+    default_custom_jvp_handler,
+    default_custom_vjp_handler,
     default_primitive_handler,
     default_scan_handler,
     default_shard_map_handler,
@@ -47,7 +50,7 @@ from ._planted import (
 )
 from ._rules import check_cond, check_scan, check_while, given_by_init
 from ._selection import Selection, pass_through, selective_interpreter, sows_in
-from ._sow import sow_p, split_operands
+from ._sow import constant_sows, sow_p, split_operands
 
 
 class Planter:
@@ -81,7 +84,10 @@ class Planter:
             "cond": self.cond,
             "shard_map": self.shard_map,
         }
-        return selective_interpreter(self.selection, caller, policy, self.sow, loops)
+        # The sows in the rules of custom_jvp and custom_vjp functions are planted
+        # too, whenever JAX runs them (see `custom_jvp`).
+        always = {"custom_jvp_call": self.custom_jvp, "custom_vjp_call": self.custom_vjp}
+        return selective_interpreter(self.selection, caller, policy, self.sow, loops, always)
 
     def check_all_used(self, caller: str, values: Mapping[str, Any]) -> None:
         unused = sorted(unused_paths(values, self.seen))
@@ -134,6 +140,43 @@ class Planter:
             return HandlerResult(ctx, operands)
         # Bound again on the planted value: an enclosing reap of this tag sees it.
         return HandlerResult(ctx, list(sow_p.bind(*operands, **eqn.params)))
+
+    def custom_jvp(
+        self, interpreter: Interpreter, ctx: Planted, eqn: JaxprEqn, invals: list[Any]
+    ) -> HandlerResult:
+        # JAX runs the rule when it differentiates the function: its sows are
+        # planted too (equinox's checkpointed loops and diffrax's adjoints run
+        # the user's code again in their rules).
+        result = default_custom_jvp_handler(
+            interpreter, ctx, eqn, invals, interpret_rule=True, tracing_rule=self.constant
+        )
+        # The planted values go on as they came, with their derivatives (the
+        # context a custom derivative returns has none).
+        return HandlerResult(ctx, result.outvals)
+
+    def custom_vjp(
+        self, interpreter: Interpreter, ctx: Planted, eqn: JaxprEqn, invals: list[Any]
+    ) -> HandlerResult:
+        result = default_custom_vjp_handler(
+            interpreter, ctx, eqn, invals, interpret_rule=True, tracing_rule=self.constant
+        )
+        return HandlerResult(ctx, result.outvals)
+
+    def constant(self, ctx: Planted) -> contextlib.AbstractContextManager[None]:
+        """While a derivative rule is traced: a sow whose value this call plants
+        (and does not add to) has a zero tangent, as it has outside the rule,
+        where JAX differentiates the planted program."""
+
+        def planted(params: Mapping[str, Any]) -> bool:
+            path = (*params["scope"], params["name"])
+            return (
+                not self.add
+                and params["tag"] == self.tag
+                and self.selection.takes(path)
+                and _lookup_path(ctx.values, path) is not MISSING
+            )
+
+        return constant_sows(planted)
 
     def scan(
         self, interpreter: Interpreter, ctx: Planted, eqn: JaxprEqn, invals: list[Any]
@@ -234,6 +277,15 @@ class Planter:
             declare_ctx_out_specs=declare_specs,
         )
         return HandlerResult(ctx, result.outvals)
+
+
+def _lookup_path(values: Mapping[str, Any], path: SowPath) -> Any:
+    node: Any = values
+    for key in path:
+        if not isinstance(node, Mapping) or key not in node:
+            return MISSING
+        node = node[key]
+    return node
 
 
 def check_values(caller: str, tag: Tag, values: Any) -> None:

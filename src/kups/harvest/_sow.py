@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.interpreters import batching
+from jax.interpreters import ad, batching
 
 from kups.effects import define_effect
 
@@ -48,6 +48,43 @@ def _batch_sow(
 
 
 batching.primitive_batchers[sow_p] = _batch_sow
+
+# Predicates on a sow's params: while one holds, JAX differentiates that sow as a
+# constant (see `constant_sows`).
+_CONSTANT: list[Callable[[Mapping[str, Any]], bool]] = []
+_effect_jvp = ad.primitive_jvps[sow_p]
+
+
+@contextlib.contextmanager
+def constant_sows(planted: Callable[[Mapping[str, Any]], bool]) -> Iterator[None]:
+    """While active, the tangent of a sow for which `planted(params)` holds is
+    zero (where a `sow_cond`'s predicate holds): `plant` replaces its value by one
+    the differentiated inputs do not change, in a custom derivative rule that it
+    traces (`default_custom_jvp_handler(..., tracing_rule=...)`)."""
+    _CONSTANT.append(planted)
+    try:
+        yield
+    finally:
+        _CONSTANT.remove(planted)
+
+
+def _jvp_sow(primals: Any, tangents: Any, **params: Any) -> tuple[list[Any], list[Any]]:
+    out, out_tangents = _effect_jvp(primals, tangents, **params)
+    if not any(planted(params) for planted in _CONSTANT):
+        return out, out_tangents
+    if not params["conditional"]:
+        return out, [ad.Zero(jax.typeof(x).to_tangent_aval()) for x in out]
+    pred = primals[0]
+    return out, [
+        out_tangents[0],
+        *(
+            t if isinstance(t, ad.Zero) else jnp.where(pred, jnp.zeros_like(t), t)
+            for t in out_tangents[1:]
+        ),
+    ]
+
+
+ad.primitive_jvps[sow_p] = _jvp_sow
 
 # ---------------------------------------------------------------- sow
 

@@ -19,8 +19,11 @@ debug callbacks are dropped there (`_quiet`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, NoReturn
 
 import jax
@@ -29,9 +32,10 @@ import numpy as np
 from jax.extend.core import JaxprEqn
 
 from .. import _compat
-from .._body import TracedBody, trace_interpreted
+from .._body import TracedBody, passed_through, trace_interpreted
 from .._context import split
 from .._defaults import default_dispatcher
+from .._effect import seen
 from .._interpreter import Interpreter
 from .._matching import is_control_flow
 from .._policy import BackwardPass
@@ -117,9 +121,81 @@ def _valued_as_jvp(primals: Any, tangents: Any) -> Any:
     return primals[0], tangents[1]
 
 
+# The rules traced for `_interpreted`, per custom derivative equation's primal
+# jaxpr: a function called many times (`jax.nn.relu` in every layer) is one
+# equation, whose rule is traced once per pattern of perturbed inputs.
+_RULES: weakref.WeakKeyDictionary[Any, dict[Hashable, tuple[Any, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _interpreted(
+    interpreter: Any,
+    ctx: Any,
+    tracing: Callable[[Any], AbstractContextManager[Any]] | None,
+    rule: tuple[JaxprEqn, Hashable],
+    fn: Callable[..., Any],
+    *args: Any,
+) -> Any:
+    """`fn(*args)` traced (inside `tracing(ctx)`), and run under `interpreter` from
+    `ctx` (whose changes are dropped): a derivative rule that JAX runs for the
+    function, interpreted. `rule` is the equation and what else (besides the
+    arguments' types and the context's structure) `fn` depends on: the trace is
+    cached by them."""
+    eqn, static = rule
+    leaves, tree = jax.tree.flatten(args)
+    key = (
+        id(eqn),
+        static,
+        tree,
+        tuple(jax.typeof(leaf) for leaf in leaves),
+        jax.tree.structure(ctx),
+        tracing,
+        _compat.current_mesh(),
+    )
+    per_eqn = _RULES.setdefault(_compat.open_jaxpr(eqn.params["call_jaxpr"])[0], {})
+    traced = per_eqn.get(key)
+    if traced is None:
+        # Effects bound while tracing are the interpreter's to see.
+        with seen(), contextlib.nullcontext() if tracing is None else tracing(ctx):
+            closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        traced = per_eqn[key] = (closed, jax.tree.structure(shape))
+    closed, out_tree = traced
+    outs, _ = interpreter(closed, ctx, *leaves)
+    return jax.tree.unflatten(out_tree, outs)
+
+
+def _interpreted_pullback(
+    interpreter: Any,
+    tracing: Callable[[Any], AbstractContextManager[Any]] | None,
+    ctx_in: Any,
+    eqn: JaxprEqn,
+    perturbed: tuple[bool, ...],
+    rule: Callable[[list[Any]], tuple[list[Any], list[Any]]],
+    ctx_values: list[Any],
+    args: list[Any],
+    cotangents: list[Any],
+) -> list[Any]:
+    """The user's `fwd` and `bwd` rules, interpreted from the function's inputs
+    (its residuals here) to the cotangents of the perturbed ones."""
+
+    def vjp(args: list[Any], cotangents: list[Any]) -> list[Any]:
+        diff_args, merge = _split_perturbed(args, perturbed)
+        _, pullback, _ = jax.vjp(lambda *d: rule(merge(d)), *diff_args, has_aux=True)
+        return list(pullback(cotangents))
+
+    ctx = ctx_in.unflatten(ctx_values)
+    return _interpreted(interpreter, ctx, tracing, (eqn, ("vjp", perturbed)), vjp, args, cotangents)
+
+
 def _traced(interpreter: Any, ctx: Any, eqn: JaxprEqn, name: str) -> tuple[TracedBody, list[Any]]:
     spec, ctx_values = split(ctx)
-    return trace_interpreted(interpreter, eqn.params["call_jaxpr"], spec, name=name), ctx_values
+    call_jaxpr = eqn.params["call_jaxpr"]
+    if interpreter._only_rebinds(_compat.open_jaxpr(call_jaxpr)[0]):
+        # Nothing inside for the interpreter (a handler there is for the rules):
+        # the body as it is, passing the context through, traced no more.
+        return passed_through(call_jaxpr, spec), ctx_values
+    return trace_interpreted(interpreter, call_jaxpr, spec, name=name), ctx_values
 
 
 def _debug_info(eqn: JaxprEqn, param: str) -> Any:
@@ -181,7 +257,13 @@ def _refuse_differentiated_ctx(eqn: JaxprEqn, kind: str) -> NoReturn:
 
 @default_handler_for("custom_jvp_call")
 def default_custom_jvp_handler(
-    interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
+    interpreter: Any,
+    ctx: Any,
+    eqn: JaxprEqn,
+    invals: list[Any],
+    *,
+    interpret_rule: bool = False,
+    tracing_rule: Callable[[Any], AbstractContextManager[Any]] | None = None,
 ) -> HandlerResult:
     """Interprets the primal body of a `jax.custom_jvp` function with the context.
 
@@ -189,6 +271,17 @@ def default_custom_jvp_handler(
     original function and to the perturbed inputs only (a rule declared with
     `symbolic_zeros=True` sees the others' tangents as symbolic zeros, as in plain
     JAX); the context carries no tangent (its tangents are zero).
+
+    With `interpret_rule=True`, the rule runs under `interpreter` too, whenever
+    JAX differentiates the function (also long after this handler returned, for a
+    function staged under `jit`), with the context the function was called with;
+    what the rule does to the context is dropped, as the derivative carries no
+    context. That is for an interpreter that substitutes values, which must reach
+    an effect the rule binds as well (`plant` of a value sown in a rule), and not
+    for one that gathers from the context. The rule is traced (by `jax.jvp` of
+    the function) inside `tracing_rule(ctx)` if given: where such an interpreter
+    says how JAX differentiates the effects it will substitute (a planted value
+    has a zero tangent).
     """
     check_params(eqn)
     body, ctx_values = _traced(interpreter, ctx, eqn, "custom_jvp")
@@ -205,14 +298,26 @@ def default_custom_jvp_handler(
         if any(r and not isinstance(t, _SymbolicZero) for r, t in zip(read, in_ctx_tangents)):
             _refuse_differentiated_ctx(eqn, "custom_jvp")
         ctx_out, outs = _quiet(body)(ctx_values, args)
-        perturbed = [not isinstance(t, _SymbolicZero) for t in arg_tangents]
-        diff_args, merge = _split_perturbed(args, perturbed)
+        perturbed = tuple(not isinstance(t, _SymbolicZero) for t in arg_tangents)
         diff_tangents, _ = _split_perturbed(arg_tangents, perturbed)
 
-        def of_perturbed(*diff_args: Any) -> list[Any]:
-            return original(*merge(diff_args))
+        def jvp(args: list[Any], diff_tangents: list[Any]) -> Any:
+            diff_args, merge = _split_perturbed(args, perturbed)
 
-        rule_outs, out_tangents = jax.jvp(of_perturbed, tuple(diff_args), tuple(diff_tangents))
+            def of_perturbed(*diff_args: Any) -> list[Any]:
+                return original(*merge(diff_args))
+
+            return jax.jvp(of_perturbed, tuple(diff_args), tuple(diff_tangents))
+
+        if interpret_rule:
+            # The context carries no tangent, here too.
+            rule_ctx = body.ctx_in.unflatten(ctx_values)
+            rule = (eqn, ("jvp", perturbed))
+            rule_outs, out_tangents = _interpreted(
+                interpreter, rule_ctx, tracing_rule, rule, jvp, list(args), diff_tangents
+            )
+        else:
+            rule_outs, out_tangents = jvp(args, diff_tangents)
         # Symbolic zeros, typed like the context's values (varying over the
         # manual axes of a shard_map body where they vary, integers too).
         ctx_tangents = [_SymbolicZero(jax.typeof(c).to_tangent_aval()) for c in ctx_out]
@@ -267,7 +372,13 @@ def _as_cotangent(ct: Any, aval: Any) -> Any:
 
 @default_handler_for("custom_vjp_call", "custom_vjp_call_jaxpr")
 def default_custom_vjp_handler(
-    interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
+    interpreter: Any,
+    ctx: Any,
+    eqn: JaxprEqn,
+    invals: list[Any],
+    *,
+    interpret_rule: bool = False,
+    tracing_rule: Callable[[Any], AbstractContextManager[Any]] | None = None,
 ) -> HandlerResult:
     """Interprets the primal body of a `jax.custom_vjp` function with the context.
 
@@ -275,6 +386,13 @@ def default_custom_vjp_handler(
     to the original function and differentiated with respect to the perturbed
     inputs only: a rule declared with `symbolic_zeros=True` sees `.perturbed`
     false for constants, as in plain JAX. The context gets zero cotangents.
+
+    With `interpret_rule=True`, the rules run under `interpreter` too, with the
+    context the function was called with (as for `default_custom_jvp_handler`):
+    the forward pass keeps the function's inputs, and the backward pass runs
+    `fwd` then `bwd` on them, interpreted. `fwd` then runs once more, in the
+    backward pass, than in plain JAX. The rules are traced (by `jax.vjp` of the
+    function) inside `tracing_rule(ctx)` if given.
     """
     check_params(eqn)
     body, ctx_values = _traced(interpreter, ctx, eqn, "custom_vjp")
@@ -296,6 +414,13 @@ def default_custom_vjp_handler(
     if not symbolic:
         read = (False,) * len(read)
 
+    def of_args(args: list[Any]) -> tuple[list[Any], list[Any]]:
+        # Integer outputs go out as aux: their cotangents would be float0 zeros,
+        # which inside a shard_map body must be typed as varying.
+        rule_outs = original(*args)
+        floats = [o for o, a in zip(rule_outs, out_avals, strict=True) if _is_inexact(a)]
+        return floats, rule_outs
+
     def primal_fwd(ctx_values: list[Any], args: list[Any]) -> Any:
         if symbolic:
             if any(r and c.perturbed for r, c in zip(read, ctx_values)):
@@ -316,16 +441,24 @@ def default_custom_vjp_handler(
         if symbolic:
             args = [a.value for a in args]
         ctx_out, outs = _quiet(body)(list(ctx_values), args)
+        if interpret_rule:
+            rules = functools.partial(
+                _interpreted_pullback,
+                interpreter,
+                tracing_rule,
+                body.ctx_in,
+                eqn,
+                perturbed,
+                of_args,
+            )
+            pullback = jax.tree_util.Partial(rules, list(ctx_values), list(args))
+            residual = jax.tree_util.Partial(
+                functools.partial(_pull, perturbed, out_avals), pullback
+            )
+            return (ctx_out, outs), residual
         diff_args, merge = _split_perturbed(args, perturbed)
 
-        def of_perturbed(*diff_args: Any) -> tuple[list[Any], list[Any]]:
-            # Integer outputs go out as aux: their cotangents would be float0
-            # zeros, which inside a shard_map body must be typed as varying.
-            rule_outs = original(*merge(diff_args))
-            floats = [o for o, a in zip(rule_outs, out_avals, strict=True) if _is_inexact(a)]
-            return floats, rule_outs
-
-        _, pullback, rule_outs = jax.vjp(of_perturbed, *diff_args, has_aux=True)
+        _, pullback, rule_outs = jax.vjp(lambda *d: of_args(merge(d)), *diff_args, has_aux=True)
         outs = _valued_as(list(outs), list(rule_outs))
         # The pattern of perturbed inputs is static: it lives in the residual's
         # tree structure (a Partial's function), not in traced leaves.
