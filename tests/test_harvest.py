@@ -768,6 +768,31 @@ def test_reap_of_grad_keeps_the_forward_value_of_a_sow_a_backward_rule_runs_agai
         assert_tree_close(wrap(reap(jax.value_and_grad(f), tag="t"))(x)[1]["last"], expected)
 
 
+@pytest.mark.parametrize("mode", ["strict", "append"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_reap_of_grad_keeps_the_forward_values_in_every_mode(mode, jit):
+    # A custom_vjp whose backward rule computes the forward again, sows included:
+    # the backward pass adds no second strict value and no more append entries.
+    def forward(x):
+        return sow(x * 2.0, tag="t", name="v", mode=mode)
+
+    twice = jax.custom_vjp(forward)
+    twice.defvjp(lambda x: (forward(x), x), lambda x, g: jax.vjp(forward, x)[1](g))
+
+    def once(x):
+        return jnp.sum(twice(x + 1.0) ** 2)
+
+    def in_a_scan(x):
+        return lax.scan(lambda c, xi: (c + twice(xi) ** 2, None), jnp.zeros(()), x)[0]
+
+    x = jnp.linspace(0.1, 1.0, 3)
+    wrap = jax.jit if jit else (lambda g: g)
+    for f in (once, in_a_scan) if mode == "append" else (once,):
+        grads, sown = wrap(reap(jax.grad(f), tag="t"))(x)
+        assert_tree_close(sown, reap(f, tag="t")(x)[1])
+        assert_tree_close(grads, jax.grad(f)(x))
+
+
 def test_reap_of_grad_takes_a_sow_only_the_backward_rule_makes():
     # A name first sown by a backward rule (a cotangent tap) is reaped as usual.
     @jax.custom_vjp

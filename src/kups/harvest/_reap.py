@@ -164,10 +164,10 @@ class Reaper(Seeding):
             return untaken
         path = (*eqn.params["scope"], eqn.params["name"])
         if self.backward or _transposed(eqn):
-            if path in self.forward and eqn.params["mode"] == "clobber":
+            if path in self.forward:
                 # A backward pass that runs the forward one again (the `custom_vjp`
                 # of a checkpointed loop, such as diffrax's default adjoint) sows
-                # again: the forward pass's value stays.
+                # again: the forward pass's values stay, in every mode.
                 return HandlerResult(ctx, list(invals))
         else:
             self.forward.add(path)
