@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, NoReturn
 
@@ -121,55 +120,27 @@ def _valued_as_jvp(primals: Any, tangents: Any) -> Any:
     return primals[0], tangents[1]
 
 
-# The rules traced for `_interpreted`, per custom derivative equation's primal
-# jaxpr: a function called many times (`jax.nn.relu` in every layer) is one
-# equation, whose rule is traced once per pattern of perturbed inputs.
-_RULES: weakref.WeakKeyDictionary[Any, dict[Hashable, tuple[Any, Any]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
 def _interpreted(
     interpreter: Any,
     ctx: Any,
     tracing: Callable[[Any], AbstractContextManager[Any]] | None,
-    rule: tuple[JaxprEqn, Hashable],
     fn: Callable[..., Any],
     *args: Any,
 ) -> Any:
     """`fn(*args)` traced (inside `tracing(ctx)`), and run under `interpreter` from
     `ctx` (whose changes are dropped): a derivative rule that JAX runs for the
-    function, interpreted. `rule` is the equation and what else (besides the
-    arguments' types and the context's structure) `fn` depends on: the trace is
-    cached by them."""
-    eqn, static = rule
-    leaves, tree = jax.tree.flatten(args)
-    key = (
-        id(eqn),
-        static,
-        tree,
-        tuple(jax.typeof(leaf) for leaf in leaves),
-        jax.tree.structure(ctx),
-        tracing,
-        _compat.current_mesh(),
-    )
-    per_eqn = _RULES.setdefault(_compat.open_jaxpr(eqn.params["call_jaxpr"])[0], {})
-    traced = per_eqn.get(key)
-    if traced is None:
-        # Effects bound while tracing are the interpreter's to see.
-        with seen(), contextlib.nullcontext() if tracing is None else tracing(ctx):
-            closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        traced = per_eqn[key] = (closed, jax.tree.structure(shape))
-    closed, out_tree = traced
-    outs, _ = interpreter(closed, ctx, *leaves)
-    return jax.tree.unflatten(out_tree, outs)
+    function, interpreted."""
+    # Effects bound while tracing are the interpreter's to see.
+    with seen(), contextlib.nullcontext() if tracing is None else tracing(ctx):
+        closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    outs, _ = interpreter(closed, ctx, *jax.tree.leaves(args))
+    return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
 
 def _interpreted_pullback(
     interpreter: Any,
     tracing: Callable[[Any], AbstractContextManager[Any]] | None,
     ctx_in: Any,
-    eqn: JaxprEqn,
     perturbed: tuple[bool, ...],
     rule: Callable[[list[Any]], tuple[list[Any], list[Any]]],
     ctx_values: list[Any],
@@ -185,7 +156,7 @@ def _interpreted_pullback(
         return list(pullback(cotangents))
 
     ctx = ctx_in.unflatten(ctx_values)
-    return _interpreted(interpreter, ctx, tracing, (eqn, ("vjp", perturbed)), vjp, args, cotangents)
+    return _interpreted(interpreter, ctx, tracing, vjp, args, cotangents)
 
 
 def _traced(interpreter: Any, ctx: Any, eqn: JaxprEqn, name: str) -> tuple[TracedBody, list[Any]]:
@@ -312,9 +283,8 @@ def default_custom_jvp_handler(
         if interpret_rule:
             # The context carries no tangent, here too.
             rule_ctx = body.ctx_in.unflatten(ctx_values)
-            rule = (eqn, ("jvp", perturbed))
             rule_outs, out_tangents = _interpreted(
-                interpreter, rule_ctx, tracing_rule, rule, jvp, list(args), diff_tangents
+                interpreter, rule_ctx, tracing_rule, jvp, list(args), diff_tangents
             )
         else:
             rule_outs, out_tangents = jvp(args, diff_tangents)
@@ -447,7 +417,6 @@ def default_custom_vjp_handler(
                 interpreter,
                 tracing_rule,
                 body.ctx_in,
-                eqn,
                 perturbed,
                 of_args,
             )
