@@ -654,6 +654,23 @@ def test_lineax_sow_in_operator(lx: ModuleType) -> None:
     assert_trees_equal(reaped, {"v": jnp.asarray(last_vector)}, "reaped")
 
 
+def test_lineax_grad_of_plant_through_a_rule_that_solves(lx: ModuleType) -> None:
+    # A custom_jvp whose rule runs a linear solve on the tangent (as optimistix's
+    # implicit derivatives do), under jax.grad of plant.
+    def solve(b: jax.Array, m: jax.Array) -> jax.Array:
+        return lx.linear_solve(lx.MatrixLinearOperator(m), b, lx.LU()).value
+
+    f = jax.custom_jvp(jnp.sin)
+    f.defjvp(
+        lambda p, t: (jnp.sin(p[0]), solve(jnp.array([t[0]]), jnp.array([[1 / jnp.cos(p[0])]]))[0])
+    )
+    x = jnp.float32(0.9)
+    expected = jax.grad(f)(x)
+    for grad in (jax.grad(lambda x: plant(f, tag="t")({}, x)),):
+        for wrap in (lambda g: g, jax.jit):
+            np.testing.assert_allclose(wrap(grad)(x), expected, rtol=1e-6)
+
+
 def test_lineax_sow_in_operator_vmapped(lx: ModuleType) -> None:
     # reap of a vmapped CG solve (equinox's vprim, which kups enters): CG applies
     # its operator to its zero initial guess before its loop, a sow JAX binds
@@ -1062,6 +1079,25 @@ def test_optimistix_sow_in_function(optx: ModuleType) -> None:
         # Newton's convergence test evaluates the function at the iterate it
         # returns, last.
         assert_trees_equal(reaped, {"y": expected}, "reaped")
+
+
+def test_optimistix_grad_of_plant(optx: ModuleType) -> None:
+    # optimistix differentiates a solve by a custom_jvp whose rule runs a linear
+    # solve on the tangents; plant interprets that rule only when a sow it plants
+    # is inside, and otherwise leaves JAX's rule as it is (interpreted, it would
+    # not transpose).
+    def fn(y: jax.Array, a: jax.Array) -> jax.Array:
+        y = sow(y, tag="newton", name="y", mode="clobber", init=0)
+        return cubic(y, a)
+
+    def loss(root: Callable[..., Any]) -> Callable[..., jax.Array]:
+        return lambda y0, a: jnp.sum(root(y0, a)[0] ** 2)
+
+    expected = jax.grad(loss(newton_root(optx, cubic)), argnums=1)(*ROOT_ARGS)
+    planted = plant(loss(newton_root(optx, fn)), tag="newton")
+    for grad in (jax.grad(functools.partial(planted, {}), argnums=1),):
+        for wrap in (lambda g: g, jax.jit):
+            np.testing.assert_allclose(wrap(grad)(*ROOT_ARGS), expected, rtol=1e-6)
 
 
 def test_optimistix_find_nans(optx: ModuleType) -> None:

@@ -148,7 +148,7 @@ class Planter:
         # planted too (equinox's checkpointed loops and diffrax's adjoints run
         # the user's code again in their rules).
         result = default_custom_jvp_handler(
-            interpreter, ctx, eqn, invals, interpret_rule=True, tracing_rule=self.constant
+            interpreter, ctx, eqn, invals, interpret_rule=self.changes, tracing_rule=self.constant
         )
         # The planted values go on as they came, with their derivatives (the
         # context a custom derivative returns has none).
@@ -158,7 +158,7 @@ class Planter:
         self, interpreter: Interpreter, ctx: Planted, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
         result = default_custom_vjp_handler(
-            interpreter, ctx, eqn, invals, interpret_rule=True, tracing_rule=self.constant
+            interpreter, ctx, eqn, invals, interpret_rule=self.changes, tracing_rule=self.constant
         )
         return HandlerResult(ctx, result.outvals)
 
@@ -167,16 +167,19 @@ class Planter:
         (and does not add to) has a zero tangent, as it has outside the rule,
         where JAX differentiates the planted program."""
 
-        def planted(params: Mapping[str, Any]) -> bool:
-            path = (*params["scope"], params["name"])
-            return (
-                not self.add
-                and params["tag"] == self.tag
-                and self.selection.takes(path)
-                and _lookup_path(ctx.values, path) is not MISSING
-            )
+        return constant_sows(lambda params: not self.add and self.plants(ctx, params))
 
-        return constant_sows(planted)
+    def changes(self, ctx: Planted, eqn: JaxprEqn) -> bool:
+        """Whether `eqn`, in a derivative rule, is a sow that this call plants."""
+        return eqn.primitive is sow_p and self.plants(ctx, eqn.params)
+
+    def plants(self, ctx: Planted, params: Mapping[str, Any]) -> bool:
+        path = (*params["scope"], params["name"])
+        return (
+            params["tag"] == self.tag
+            and self.selection.takes(path)
+            and _lookup_path(ctx.values, path) is not MISSING
+        )
 
     def scan(
         self, interpreter: Interpreter, ctx: Planted, eqn: JaxprEqn, invals: list[Any]

@@ -34,9 +34,9 @@ from .. import _compat
 from .._body import TracedBody, passed_through, trace_interpreted
 from .._context import split
 from .._defaults import default_dispatcher
-from .._effect import seen
+from .._effect import is_effect, seen
 from .._interpreter import Interpreter
-from .._matching import is_control_flow
+from .._matching import equations_in, is_control_flow
 from .._policy import BackwardPass
 from .._registry import default_handler_for
 from .._source import where
@@ -120,26 +120,51 @@ def _valued_as_jvp(primals: Any, tangents: Any) -> Any:
     return primals[0], tangents[1]
 
 
+_Needed = Callable[[Any, JaxprEqn], bool] | bool
+
+
 def _interpreted(
     interpreter: Any,
     ctx: Any,
     tracing: Callable[[Any], AbstractContextManager[Any]] | None,
+    needed: _Needed,
     fn: Callable[..., Any],
     *args: Any,
 ) -> Any:
     """`fn(*args)` traced (inside `tracing(ctx)`), and run under `interpreter` from
     `ctx` (whose changes are dropped): a derivative rule that JAX runs for the
-    function, interpreted."""
+    function, interpreted if it binds an effect the interpreter acts on (and that
+    `needed(ctx, eqn)` accepts, when `needed` is a function)."""
     # Effects bound while tracing are the interpreter's to see.
     with seen(), contextlib.nullcontext() if tracing is None else tracing(ctx):
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    if not _acts_inside(interpreter, closed, ctx, needed):
+        # Nothing in the rule for the interpreter: JAX's own rule, as it is (an
+        # interpreted rule is a jaxpr of it, which JAX differentiates again); the
+        # effects it binds are ones the interpreter would leave as they are.
+        with seen():
+            return fn(*args)
     outs, _ = interpreter(closed, ctx, *jax.tree.leaves(args))
     return jax.tree.unflatten(jax.tree.structure(shape), outs)
+
+
+def _acts_inside(interpreter: Any, closed: Any, ctx: Any, needed: _Needed) -> bool:
+    """Whether `closed` binds, at any depth, an effect that `interpreter` acts on
+    (and that `needed` accepts)."""
+    acts_on = interpreter.acts_on
+    return any(
+        is_effect(eqn.primitive)
+        and interpreter.dispatcher.is_registered(eqn.primitive)
+        and (acts_on is None or acts_on(eqn.primitive, eqn.params))
+        and (needed is True or (callable(needed) and needed(ctx, eqn)))
+        for eqn, _ in equations_in(closed)
+    )
 
 
 def _interpreted_pullback(
     interpreter: Any,
     tracing: Callable[[Any], AbstractContextManager[Any]] | None,
+    needed: _Needed,
     ctx_in: Any,
     perturbed: tuple[bool, ...],
     rule: Callable[[list[Any]], tuple[list[Any], list[Any]]],
@@ -156,7 +181,7 @@ def _interpreted_pullback(
         return list(pullback(cotangents))
 
     ctx = ctx_in.unflatten(ctx_values)
-    return _interpreted(interpreter, ctx, tracing, vjp, args, cotangents)
+    return _interpreted(interpreter, ctx, tracing, needed, vjp, args, cotangents)
 
 
 def _traced(interpreter: Any, ctx: Any, eqn: JaxprEqn, name: str) -> tuple[TracedBody, list[Any]]:
@@ -233,7 +258,7 @@ def default_custom_jvp_handler(
     eqn: JaxprEqn,
     invals: list[Any],
     *,
-    interpret_rule: bool = False,
+    interpret_rule: bool | Callable[[Any, JaxprEqn], bool] = False,
     tracing_rule: Callable[[Any], AbstractContextManager[Any]] | None = None,
 ) -> HandlerResult:
     """Interprets the primal body of a `jax.custom_jvp` function with the context.
@@ -245,11 +270,14 @@ def default_custom_jvp_handler(
 
     With `interpret_rule=True`, the rule runs under `interpreter` too, whenever
     JAX differentiates the function (also long after this handler returned, for a
-    function staged under `jit`), with the context the function was called with;
-    what the rule does to the context is dropped, as the derivative carries no
-    context. That is for an interpreter that substitutes values, which must reach
-    an effect the rule binds as well (`plant` of a value sown in a rule), and not
-    for one that gathers from the context. The rule is traced (by `jax.jvp` of
+    function staged under `jit`), with the context the function was called with,
+    if it binds an effect the interpreter acts on; what the rule does to the
+    context is dropped, as the derivative carries no context. That is for an
+    interpreter that substitutes values, which must reach an effect the rule
+    binds as well (`plant` of a value sown in a rule), and not for one that
+    gathers from the context. A function `interpret_rule(ctx, eqn) -> bool` in
+    place of `True` says which effect equations of the rule need the
+    interpreter; a rule with none runs as JAX's. The rule is traced (by `jax.jvp` of
     the function) inside `tracing_rule(ctx)` if given: where such an interpreter
     says how JAX differentiates the effects it will substitute (a planted value
     has a zero tangent).
@@ -284,7 +312,7 @@ def default_custom_jvp_handler(
             # The context carries no tangent, here too.
             rule_ctx = body.ctx_in.unflatten(ctx_values)
             rule_outs, out_tangents = _interpreted(
-                interpreter, rule_ctx, tracing_rule, jvp, list(args), diff_tangents
+                interpreter, rule_ctx, tracing_rule, interpret_rule, jvp, list(args), diff_tangents
             )
         else:
             rule_outs, out_tangents = jvp(args, diff_tangents)
@@ -347,7 +375,7 @@ def default_custom_vjp_handler(
     eqn: JaxprEqn,
     invals: list[Any],
     *,
-    interpret_rule: bool = False,
+    interpret_rule: bool | Callable[[Any, JaxprEqn], bool] = False,
     tracing_rule: Callable[[Any], AbstractContextManager[Any]] | None = None,
 ) -> HandlerResult:
     """Interprets the primal body of a `jax.custom_vjp` function with the context.
@@ -416,6 +444,7 @@ def default_custom_vjp_handler(
                 _interpreted_pullback,
                 interpreter,
                 tracing_rule,
+                interpret_rule,
                 body.ctx_in,
                 perturbed,
                 of_args,
