@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import JaxprEqn
+from jax.extend.core import JaxprEqn, jaxpr_as_fun
 
 from .. import _compat
 from .._body import TracedBody, passed_through, trace_interpreted
@@ -143,7 +143,8 @@ def _interpreted(
         # interpreted rule is a jaxpr of it, which JAX differentiates again); the
         # effects it binds are ones the interpreter would leave as they are.
         with seen():
-            return fn(*args)
+            outs = jaxpr_as_fun(closed)(*jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(shape), outs)
     outs, _ = interpreter(closed, ctx, *jax.tree.leaves(args))
     return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
