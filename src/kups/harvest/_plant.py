@@ -85,8 +85,11 @@ class Planter:
             "shard_map": self.shard_map,
         }
         # The sows in the rules of custom_jvp and custom_vjp functions are planted
-        # too, whenever JAX runs them (see `custom_jvp`).
-        always = {"custom_jvp_call": self.custom_jvp, "custom_vjp_call": self.custom_vjp}
+        # too, whenever JAX runs them (see `custom_derivative`).
+        always = {
+            "custom_jvp_call": self.custom_derivative,
+            "custom_vjp_call": self.custom_derivative,
+        }
         return selective_interpreter(self.selection, caller, policy, self.sow, loops, always)
 
     def check_all_used(self, caller: str, values: Mapping[str, Any]) -> None:
@@ -141,25 +144,22 @@ class Planter:
         # Bound again on the planted value: an enclosing reap of this tag sees it.
         return HandlerResult(ctx, list(sow_p.bind(*operands, **eqn.params)))
 
-    def custom_jvp(
+    def custom_derivative(
         self, interpreter: Interpreter, ctx: Planted, eqn: JaxprEqn, invals: list[Any]
     ) -> HandlerResult:
-        # JAX runs the rule when it differentiates the function: its sows are
+        # JAX runs the rules when it differentiates the function: their sows are
         # planted too (equinox's checkpointed loops and diffrax's adjoints run
         # the user's code again in their rules).
-        result = default_custom_jvp_handler(
+        handler = (
+            default_custom_jvp_handler
+            if eqn.primitive.name == "custom_jvp_call"
+            else default_custom_vjp_handler
+        )
+        result = handler(
             interpreter, ctx, eqn, invals, interpret_rule=self.changes, tracing_rule=self.constant
         )
         # The planted values go on as they came, with their derivatives (the
         # context a custom derivative returns has none).
-        return HandlerResult(ctx, result.outvals)
-
-    def custom_vjp(
-        self, interpreter: Interpreter, ctx: Planted, eqn: JaxprEqn, invals: list[Any]
-    ) -> HandlerResult:
-        result = default_custom_vjp_handler(
-            interpreter, ctx, eqn, invals, interpret_rule=self.changes, tracing_rule=self.constant
-        )
         return HandlerResult(ctx, result.outvals)
 
     def constant(self, ctx: Planted) -> contextlib.AbstractContextManager[None]:
