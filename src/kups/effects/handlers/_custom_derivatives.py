@@ -138,14 +138,15 @@ def _interpreted(
     # Effects bound while tracing are the interpreter's to see.
     with seen(), contextlib.nullcontext() if tracing is None else tracing(ctx):
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    if not _acts_inside(interpreter, closed, ctx, needed):
+    leaves = jax.tree.leaves(args)
+    if _acts_inside(interpreter, closed, ctx, needed):
+        outs, _ = interpreter(closed, ctx, *leaves)
+    else:
         # Nothing in the rule for the interpreter: JAX's own rule, as it is (an
         # interpreted rule is a jaxpr of it, which JAX differentiates again); the
         # effects it binds are ones the interpreter would leave as they are.
         with seen():
-            outs = jaxpr_as_fun(closed)(*jax.tree.leaves(args))
-        return jax.tree.unflatten(jax.tree.structure(shape), outs)
-    outs, _ = interpreter(closed, ctx, *jax.tree.leaves(args))
+            outs = jaxpr_as_fun(closed)(*leaves)
     return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
 
