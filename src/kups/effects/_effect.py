@@ -198,10 +198,14 @@ def define_effect(name: str) -> Primitive:
     unused, yet adds nothing to the compiled program (its lowering returns its
     operands; no runtime tokens).
 
-    Under differentiation the primitive is bound once, on the primal values;
+    Under differentiation the primitive is bound on the primal values only;
     tangents and cotangents pass through it unchanged and do not bind it, so
     `jax.grad` of a function equals, bit for bit, `jax.grad` of the same
-    function without the effect, and a handler sees each bind exactly once.
+    function without the effect. A handler sees each bind once, except where
+    JAX computes the primal again: inside `jax.checkpoint` (and a `while_loop`
+    body under differentiation), unless the policy saves the effect's outputs,
+    it is bound in the recomputation too, as JAX binds `jax.debug.callback`
+    there.
 
     Every call returns a distinct primitive, even for a name used before. A
     dispatcher keyed by name treats such primitives as one; key it by the
@@ -254,6 +258,7 @@ def define_effect(name: str) -> Primitive:
     ad.primitive_jvps[primitive] = partial(_jvp_rule, primitive)
     ad.primitive_transposes[primitive] = _transpose_rule
     mlir.register_lowering(primitive, _lowering)
+    _compat.register_recompute_rule(primitive, _recompute_rule)
     return primitive
 
 
@@ -301,6 +306,30 @@ def _transpose_rule(cotangents: Sequence[Any], *args: Any, **params: Hashable) -
         cotangent if ad.is_undefined_primal(arg) else None
         for cotangent, arg in zip(cotangents, args, strict=True)
     ]
+
+
+def _recompute_rule(
+    saveable: Any, unknowns: Sequence[bool], instantiated: Sequence[bool], eqn: Any
+) -> tuple[Any, Any, list[bool], list[bool], list[Any]]:
+    # How rematerialisation splits the effect. On unknown inputs it is staged
+    # (recomputed), like any primitive. On known ones JAX's default would bind it
+    # in the known part only and save its outputs, which a `while_loop` cannot
+    # (it has no residuals: `jax.grad(jax.checkpoint(f))` of a loop that sows
+    # failed). Unless the policy saves it, it is bound in both parts instead, as
+    # JAX does with `jax.debug.callback`: an interpreter sees it wherever the
+    # value is recomputed, and the compiled program is the same (it is an
+    # identity).
+    num_out = len(eqn.outvars)
+    needed = [
+        v
+        for v, inst in zip(eqn.invars, instantiated, strict=True)
+        if not inst and not _compat.is_literal(v)
+    ]
+    if any(unknowns):
+        return None, eqn, [True] * num_out, [True] * num_out, needed
+    if _compat.saved_by(saveable(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params)):
+        return eqn, None, [False] * num_out, [False] * num_out, []
+    return eqn, eqn, [False] * num_out, [True] * num_out, needed
 
 
 def _lowering(ctx: Any, *args: Any, **params: Hashable) -> list[Any]:

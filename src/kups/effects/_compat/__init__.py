@@ -22,7 +22,9 @@ from ._core import is_eager as is_eager
 from ._core import is_literal as is_literal
 from ._core import is_staging as is_staging
 from ._core import register_effect_type as register_effect_type
+from ._core import register_recompute_rule as register_recompute_rule
 from ._core import register_traceback_exclusion as register_traceback_exclusion
+from ._core import saved_by as saved_by
 from ._core import stage_unchanged as stage_unchanged
 from ._core import typematch as typematch
 from ._core import used_inputs as used_inputs

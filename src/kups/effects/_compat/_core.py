@@ -180,6 +180,21 @@ def register_effect_type(effect_type: type[Any]) -> None:
         table.add_type(effect_type)
 
 
+def register_recompute_rule(primitive: Any, rule: Callable[..., Any]) -> None:
+    """Registers how `primitive` splits when JAX partially evaluates a jaxpr to
+    rematerialise it (`jax.checkpoint`, and the bodies of `while_loop`s under
+    differentiation): `rule(saveable, unknowns_in, instantiated_in, eqn) ->
+    (known_eqn | None, staged_eqn | None, unknowns_out, instantiated_out,
+    residuals)`, JAX's signature from 0.10 to 0.12."""
+    _pe.partial_eval_jaxpr_custom_rules[primitive] = rule
+
+
+def saved_by(policy: Any) -> bool:
+    """Whether a rematerialisation policy's answer for an equation is "save its
+    outputs" (`True`, or `Saveable`) rather than recompute or offload them."""
+    return policy is True or type(policy).__name__ == "SaveableType"
+
+
 # ---------------------------------------------------------------------------
 # Traceback filtering and trace state (JAX 0.10 to 0.12).
 #
