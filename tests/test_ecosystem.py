@@ -671,6 +671,72 @@ def test_lineax_grad_of_plant_through_a_rule_that_solves(lx: ModuleType) -> None
             np.testing.assert_allclose(wrap(grad)(x), expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize("solver", ["LU", "CG"])
+def test_lineax_plant_in_a_function_operator(lx: ModuleType, solver: str) -> None:
+    # A sow in the matvec of a FunctionLinearOperator, planted: the value and the
+    # forward-mode derivatives are those of the program with the value written
+    # in (lineax's rule runs with the sows of its tangent solves planted).
+    # Reverse mode, and a derivative with respect to the planted value, cannot
+    # be given; they are refused, not silently lineax's derivative of the
+    # unplanted operator.
+    method = lx.LU() if solver == "LU" else lx.CG(rtol=1e-6, atol=1e-6)
+
+    def program(planted: jax.Array | None) -> Callable[[jax.Array], jax.Array]:
+        def f(p: jax.Array) -> jax.Array:
+            def matvec(v: jax.Array) -> jax.Array:
+                d = p * jnp.array([1.0, 2.0, 3.0])
+                d = sow(d, tag="k", name="d", mode="clobber") if planted is None else planted
+                return SPD @ v + d * v
+
+            operator = lx.FunctionLinearOperator(
+                matvec, jax.ShapeDtypeStruct((3,), jnp.float32), lx.positive_semidefinite_tag
+            )
+            return jnp.sum(lx.linear_solve(operator, jnp.array([1.0, p, 2.0]), method).value ** 2)
+
+        return f
+
+    k, p = jnp.array([0.5, 0.3, 0.2]), jnp.float32(0.9)
+    oracle = program(k)
+
+    def planted(p: jax.Array) -> jax.Array:
+        return plant(program(None), tag="k")({"d": k}, p)
+
+    def jvp(f: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array], jax.Array]:
+        return lambda p: jax.jvp(f, (p,), (jnp.float32(1.0),))[1]
+
+    expected = jvp(oracle)(p)
+    # Not the derivative of the unplanted operator at the planted value.
+    assert abs(float(jvp(program(None))(p)) - float(expected)) > 1e-2
+    np.testing.assert_allclose(planted(p), oracle(p), rtol=1e-5)
+    for wrap in (lambda g: g, jax.jit):
+        np.testing.assert_allclose(wrap(jvp(planted))(p), expected, rtol=1e-4)
+    np.testing.assert_allclose(jax.jacfwd(planted)(p), expected, rtol=1e-4)
+    with pytest.raises(NotImplementedError, match=r"Reverse-mode differentiation.*linear_solve"):
+        jax.grad(planted)(p)
+    with pytest.raises(ValueError, match="library primitive 'linear_solve'"):
+        jax.grad(lambda k: plant(program(None), tag="k")({"d": k}, p))(k)
+
+
+def test_lineax_grad_with_respect_to_a_planted_value_the_solve_does_not_read(
+    lx: ModuleType,
+) -> None:
+    def f(p: jax.Array) -> jax.Array:
+        d = sow(p * 2.0, tag="k", name="d", mode="clobber")
+        x = lx.linear_solve(lx.MatrixLinearOperator(SPD * p), jnp.array([1.0, 2.0, 3.0]), lx.LU())
+        return jnp.sum(x.value) * d
+
+    def oracle(k: jax.Array, p: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.linalg.solve(SPD * p, jnp.array([1.0, 2.0, 3.0]))) * k
+
+    k, p = jnp.float32(3.0), jnp.float32(1.5)
+    expected = jax.grad(oracle, argnums=(0, 1))(k, p)
+    for wrap in (lambda g: g, jax.jit):
+        grads = wrap(jax.grad(lambda k, p: plant(f, tag="k")({"d": k}, p), argnums=(0, 1)))(k, p)
+        np.testing.assert_allclose(grads, expected, rtol=1e-5)
+        only_k = wrap(jax.grad(lambda k: plant(f, tag="k")({"d": k}, p)))(k)
+        np.testing.assert_allclose(only_k, expected[0], rtol=1e-5)
+
+
 def test_lineax_sow_in_operator_vmapped(lx: ModuleType) -> None:
     # reap of a vmapped CG solve (equinox's vprim, which kups enters): CG applies
     # its operator to its zero initial guess before its loop, a sow JAX binds

@@ -1127,7 +1127,8 @@ def _rule_programs(h):
     """Three programs whose derivative rules run the function again, each sowing
     `sin(x)` as "h" (or using `h` instead when it is given): equinox's checkpointed
     loop (a custom_vjp whose backward rule runs the body again, and a custom_jvp
-    rule inside), a custom_vjp and a custom_jvp whose rules call the function."""
+    rule inside), a custom_vjp and a custom_jvp whose rules call the function,
+    and a custom_vjp whose `fwd` differentiates it."""
 
     def sown(x):
         return sow(jnp.sin(x), tag="t", name="h", mode="clobber") if h is None else h
@@ -1147,14 +1148,18 @@ def _rule_programs(h):
     by_vjp.defvjp(lambda x: (times(x), x), lambda x, g: jax.vjp(times, x)[1](g))
     by_jvp = jax.custom_jvp(times)
     by_jvp.defjvp(lambda p, t: jax.jvp(times, p, t))
+    # A `fwd` that differentiates the function itself (its residual is the pullback).
+    by_fwd_vjp = jax.custom_vjp(times)
+    by_fwd_vjp.defvjp(lambda x: jax.vjp(times, x), lambda pullback, g: pullback(g))
     return {
         "checkpointed loop": loop,
         "custom_vjp": lambda x: jnp.sum(by_vjp(x + 1.0) ** 2),
         "custom_jvp": lambda x: jnp.sum(by_jvp(x + 1.0) ** 2),
+        "custom_vjp, fwd by jax.vjp": lambda x: jnp.sum(by_fwd_vjp(x + 1.0) ** 2),
     }
 
 
-@pytest.mark.parametrize("program", ["checkpointed loop", "custom_vjp", "custom_jvp"])
+@pytest.mark.parametrize("program", sorted(_rule_programs(None)))
 @pytest.mark.parametrize("jit", ["eager", "jit inside", "jit outside"])
 def test_grad_of_plant_plants_the_sows_a_derivative_rule_runs(program, jit):
     # JAX runs these rules only when it differentiates the planted function; their
@@ -1178,6 +1183,34 @@ def test_grad_of_plant_plants_the_sows_a_derivative_rule_runs(program, jit):
     # Another name planted: the function's own derivative.
     unplanted = jax.grad(lambda x: plant(f, tag="other")({}, x))(x)
     assert_tree_close(unplanted, jax.grad(f)(x))
+
+
+@pytest.mark.parametrize("around", ["checkpoint", "jit"])
+@pytest.mark.parametrize("program", sorted(_rule_programs(None)))
+def test_sows_in_derivative_rules_under_checkpoint_and_jit(program, around):
+    # jax.checkpoint around the rules' programs: JAX recomputes the loop body
+    # (with its sow) with no residuals; a sow there was an AssertionError in JAX,
+    # with or without an effect around. A checkpointed or jitted body is traced
+    # once and cached, with its equations: the rule plant traces (a planted
+    # sow's tangent zero) is not JAX's, and neither takes the place of the other.
+    wrap = jax.checkpoint if around == "checkpoint" else jax.jit
+    x = jnp.linspace(0.1, 1.0, 3)
+    h = jnp.array([0.5, -0.25, 2.0])
+    f = _rule_programs(None)[program]
+    expected = jax.grad(f)(x)
+    assert_tree_close(jax.grad(wrap(f))(x), expected)
+    if program != "checkpointed loop":  # whose sow has no `init` for reap
+        out, reaped = reap(jax.grad(wrap(f)), tag="t")(x)
+        assert_tree_close(out, expected)
+        assert_tree_close(reaped, reap(f, tag="t")(x)[1])
+    planted = jax.grad(_rule_programs(h)[program])(x)
+    for grad in (
+        jax.grad(lambda x: plant(wrap(f), tag="t")({"h": h}, x)),
+        jax.grad(wrap(lambda x: plant(f, tag="t")({"h": h}, x))),
+    ):
+        assert_tree_close(grad(x), planted)
+        assert_tree_close(jax.jit(grad)(x), planted)
+    assert_tree_close(jax.grad(wrap(f))(x), expected)
 
 
 def test_grad_with_respect_to_planted_values_through_custom_derivatives():

@@ -237,6 +237,44 @@ def test_a_planted_value_read_inside_a_custom_derivative_is_not_differentiated_s
         reap_grads(lambda x: fn(x) * 2.0, tag="knob")(x)
 
 
+@pytest.mark.parametrize("kind", ["custom_jvp", "custom_vjp"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_planted_value_a_custom_derivative_only_passes_on_is_differentiated(kind, jit):
+    # The custom function's body sows a name that is not planted and calls
+    # `jax.nn.relu` (a custom_jvp of its own): kups threads the context through
+    # both, but the function's outputs are not computed from the planted value,
+    # so the derivative with respect to it is known (the context's path only).
+    from kups.harvest import plant
+
+    if kind == "custom_jvp":
+
+        @jax.custom_jvp
+        def inner(x):
+            return jax.nn.relu(sow(x, tag="t", name="unplanted", mode="clobber")) * 2.0
+
+        inner.defjvp(lambda p, t: (inner(p[0]), t[0] * 2.0))
+    else:
+
+        @jax.custom_vjp
+        def inner(x):
+            return jax.nn.relu(sow(x, tag="t", name="unplanted", mode="clobber")) * 2.0
+
+        inner.defvjp(lambda x: (inner(x), None), lambda _, ct: (ct * 2.0,))
+
+    def f(x):
+        k = sow(x * 3.0, tag="t", name="k", mode="clobber")
+        return inner(x) + k * k
+
+    def planted(k, x):
+        return plant(f, tag="t")({"k": k}, x)
+
+    wrap = jax.jit if jit else (lambda f: f)
+    k, x = jnp.float32(2.0), jnp.float32(0.5)
+    assert wrap(jax.grad(planted))(k, x) == 4.0  # d(k * k)/dk
+    assert wrap(jax.grad(planted, argnums=1))(k, x) == 2.0  # the rule's; k is planted
+    assert wrap(reap_grads(f, tag="t", allowlist=["k"]))(x)[1] == {"k": 3.0}  # 2k at k = 3x
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_a_custom_derivative_that_reads_no_differentiated_context_value_is_left_alone(jit):
     # The context enters the custom_jvp's loop (a sow inside), but its outputs

@@ -21,6 +21,7 @@ from kups.effects import (
     default_cond_handler,
     default_custom_jvp_handler,
     default_custom_vjp_handler,
+    default_library_primitive_handler,
     default_primitive_handler,
     default_scan_handler,
     default_shard_map_handler,
@@ -51,6 +52,15 @@ from ._planted import (
 from ._rules import check_cond, check_scan, check_while, given_by_init
 from ._selection import Selection, pass_through, selective_interpreter, sows_in
 from ._sow import constant_sows, sow_p, split_operands
+
+# The handlers whose derivative rules run the user's code again: `plant` has
+# them interpret those rules (see `Planter.custom_derivative`).
+_DERIVATIVE_HANDLERS = {
+    "custom_jvp_call": default_custom_jvp_handler,
+    "custom_vjp_call": default_custom_vjp_handler,
+    "linear_solve": default_library_primitive_handler,
+    "vprim": default_library_primitive_handler,
+}
 
 
 class Planter:
@@ -84,12 +94,10 @@ class Planter:
             "cond": self.cond,
             "shard_map": self.shard_map,
         }
-        # The sows in the rules of custom_jvp and custom_vjp functions are planted
-        # too, whenever JAX runs them (see `custom_derivative`).
-        always = {
-            "custom_jvp_call": self.custom_derivative,
-            "custom_vjp_call": self.custom_derivative,
-        }
+        # The sows in the rules of custom_jvp and custom_vjp functions, and of
+        # library primitives (lineax's tangent solves), are planted too, whenever
+        # JAX runs them (see `custom_derivative`).
+        always = dict.fromkeys(_DERIVATIVE_HANDLERS, self.custom_derivative)
         return selective_interpreter(self.selection, caller, policy, self.sow, loops, always)
 
     def check_all_used(self, caller: str, values: Mapping[str, Any]) -> None:
@@ -150,12 +158,7 @@ class Planter:
         # JAX runs the rules when it differentiates the function: their sows are
         # planted too (equinox's checkpointed loops and diffrax's adjoints run
         # the user's code again in their rules).
-        handler = (
-            default_custom_jvp_handler
-            if eqn.primitive.name == "custom_jvp_call"
-            else default_custom_vjp_handler
-        )
-        result = handler(
+        result = _DERIVATIVE_HANDLERS[eqn.primitive.name](
             interpreter, ctx, eqn, invals, interpret_rule=self.changes, tracing_rule=self.constant
         )
         # The planted values go on as they came, with their derivatives (the

@@ -50,6 +50,7 @@ from ._jaxprs import remat_primitive as remat_primitive
 from ._jaxprs import replace_jaxpr as replace_jaxpr
 from ._jaxprs import symbolic_zero_type as symbolic_zero_type
 from ._jaxprs import trace_to_jaxpr as trace_to_jaxpr
+from ._jaxprs import unmemoized_rules as unmemoized_rules
 from ._meshes import abstract_mesh as abstract_mesh
 from ._meshes import axis_names_in_error as axis_names_in_error
 from ._meshes import current_mesh as current_mesh

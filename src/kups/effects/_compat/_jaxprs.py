@@ -150,6 +150,27 @@ def call_jaxpr(jaxpr: Jaxpr, invals: Sequence[Any], name: str) -> list[Any]:
     return list(template.primitive.bind(*invals, **params))
 
 
+def unmemoized_rules(params: dict[str, Any]) -> dict[str, Any]:
+    """`custom_jvp_call` or `custom_vjp_call` params whose JVP rule or `fwd` is
+    traced afresh each time JAX runs it. A staged equation of either keeps its
+    traced rule in a memo (`jvp_jaxpr_fun` and `fwd_jaxpr_thunk`, `pe._memoize`d
+    thunks, JAX 0.10 to 0.12), shared by every bind of that equation (a `jit` or
+    `jax.checkpoint` body is traced once and cached): a rule traced under a
+    changed differentiation rule must neither take an earlier trace from it nor
+    leave its own there. A param of another form is left as it is."""
+    fresh = dict(params)
+    for key in ("jvp_jaxpr_fun", "fwd_jaxpr_thunk"):
+        fun: Any = params.get(key)
+        memoized: Any = getattr(fun, "f", None)
+        code = getattr(memoized, "__code__", None)
+        if code is None or code.co_name != "memoized" or getattr(fun, "transforms", None):
+            continue
+        cells = dict(zip(code.co_freevars, memoized.__closure__ or (), strict=True))
+        if "fn" in cells:
+            fresh[key] = _lu.wrap_init(cells["fn"].cell_contents, debug_info=fun.debug_info)
+    return fresh
+
+
 def open_jaxpr(jaxpr: Jaxpr | ClosedJaxpr) -> tuple[Jaxpr, Sequence[Any]]:
     if isinstance(jaxpr, ClosedJaxpr):
         return jaxpr.jaxpr, jaxpr.consts

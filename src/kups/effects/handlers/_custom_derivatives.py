@@ -36,7 +36,7 @@ from .._context import split
 from .._defaults import default_dispatcher
 from .._effect import is_effect, seen
 from .._interpreter import Interpreter
-from .._matching import equations_in, is_control_flow
+from .._matching import equations_in, is_control_flow, sub_jaxprs
 from .._policy import BackwardPass
 from .._registry import default_handler_for
 from .._source import where
@@ -58,9 +58,11 @@ def _zero_tangent(aval: Any) -> Any:
     return np.zeros(aval.shape, jax.dtypes.float0)
 
 
-def _original(eqn: JaxprEqn) -> Callable[..., list[Any]]:
+def _original(eqn: JaxprEqn, params: dict[str, Any] | None = None) -> Callable[..., list[Any]]:
+    params = eqn.params if params is None else params
+
     def call(*args: Any) -> list[Any]:
-        return _compat.bind_equation(eqn.primitive, eqn.params, args)
+        return _compat.bind_equation(eqn.primitive, params, args)
 
     return call
 
@@ -139,7 +141,7 @@ def _interpreted(
     with seen(), contextlib.nullcontext() if tracing is None else tracing(ctx):
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     leaves = jax.tree.leaves(args)
-    if _acts_inside(interpreter, closed, ctx, needed):
+    if acts_inside(interpreter, closed, ctx, needed):
         outs, _ = interpreter(closed, ctx, *leaves)
     else:
         # Nothing in the rule for the interpreter: JAX's own rule, as it is (an
@@ -150,7 +152,7 @@ def _interpreted(
     return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
 
-def _acts_inside(interpreter: Any, closed: Any, ctx: Any, needed: _Needed) -> bool:
+def acts_inside(interpreter: Any, closed: Any, ctx: Any, needed: _Needed) -> bool:
     """Whether `closed` binds, at any depth, an effect that `interpreter` acts on
     (and that `needed` accepts)."""
     acts_on = interpreter.acts_on
@@ -230,26 +232,92 @@ def _split_perturbed(
     return chosen, merge
 
 
-def _ctx_read_by_outputs(body: TracedBody) -> tuple[bool, ...]:
+def ctx_read_by_outputs(body: TracedBody) -> tuple[bool, ...]:
     """For each context value the body takes, whether the function's outputs (not
     the context it returns) are computed from it (a value `plant` gives a sow
     inside it, say)."""
     num_outs = len(body.jaxpr.outvars) - body.num_ctx_out
-    used = _compat.used_inputs(body.jaxpr, [False] * body.num_ctx_out + [True] * num_outs)
-    start = body.num_consts
-    return tuple(used[start : start + body.ctx_in.num_values])
+    outputs = [False] * body.num_ctx_out + [True] * num_outs
+    start, stop = body.num_consts, body.num_consts + body.ctx_in.num_values
+    # Both over-approximate what is read, so both are asked: JAX's dead-code
+    # elimination (which sees through loops, but not through custom derivatives,
+    # and keeps an effect's inputs), then, where it finds a read, kups' own walk
+    # (which sees through custom derivatives and calls only).
+    used = _compat.used_inputs(body.jaxpr, outputs)[start:stop]
+    if any(used):
+        walked = _inputs_read(body.jaxpr, outputs)[start:stop]
+        used = [u and w for u, w in zip(used, walked, strict=True)]
+    return tuple(used)
 
 
-def _refuse_differentiated_ctx(eqn: JaxprEqn, kind: str) -> NoReturn:
+# Equations whose one sub-program takes their inputs and gives their outputs, in
+# order: what an output is computed from is read inside.
+_CALLS = frozenset(
+    {
+        "jit",
+        "pjit",
+        "closed_call",
+        "call",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "remat",
+        "checkpoint",
+        "shard_map",
+    }
+)
+
+
+def _inputs_read(jaxpr: Any, used_outputs: Sequence[bool]) -> list[bool]:
+    """Which inputs of `jaxpr` the marked outputs may be computed from. Unlike
+    JAX's dead-code elimination it goes inside `custom_jvp`/`custom_vjp`
+    functions (the context kups threads through one it leaves as it is is not
+    read there), and it ignores effects, which keep their inputs alive but
+    compute no output from them. Any other equation reads all its inputs for
+    any output it computes."""
+    read: set[Any] = {
+        v
+        for v, u in zip(jaxpr.outvars, used_outputs, strict=True)
+        if u and not _compat.is_literal(v)
+    }
+    for eqn in reversed(jaxpr.eqns):
+        outs_used = [v in read for v in eqn.outvars if not isinstance(v, _compat.DropVar)]
+        if not any(outs_used):
+            continue
+        subs = sub_jaxprs(eqn) if eqn.primitive.name in _CALLS else ()
+        if (
+            len(subs) == 1
+            and len(subs[0].invars) == len(eqn.invars)
+            and len(subs[0].outvars) == len(eqn.outvars)
+        ):
+            ins_used = _inputs_read(subs[0], [v in read for v in eqn.outvars])
+        else:
+            ins_used = [True] * len(eqn.invars)
+        read.update(
+            v for v, u in zip(eqn.invars, ins_used, strict=True) if u and not _compat.is_literal(v)
+        )
+    return [v in read for v in jaxpr.invars]
+
+
+def refuse_differentiated_ctx(eqn: JaxprEqn, what: str, fix: str) -> NoReturn:
+    """Raises the error for a derivative with respect to a context value that
+    `eqn`'s derivative rule cannot give: `what` names the call, `fix` says what
+    the user can do instead."""
     raise ValueError(
-        f"JAX is differentiating a {kind} function ({where(eqn)}) with respect to a "
-        f"value that the interpreter's context gives it (a value `plant` gives a sow "
-        f"inside it, say), not one of its arguments. Its custom derivative rule only "
-        f"says how its outputs change with its arguments, so the derivative with "
-        f"respect to that value is unknown; plain JAX refuses a differentiated value "
-        f"closed over by a {kind} function the same way. Pass the value to the "
-        f"function as an argument (and to its rules), or wrap it in "
-        f"jax.lax.stop_gradient if its derivative is not wanted."
+        f"JAX is differentiating {what} ({where(eqn)}) with respect to a value that "
+        f"the interpreter's context gives it (a value `plant` gives a sow inside it, "
+        f"say), not one of its arguments. Its derivative rule only says how its "
+        f"outputs change with its arguments, so the derivative with respect to that "
+        f"value is unknown. {fix}, or wrap the value in jax.lax.stop_gradient if its "
+        f"derivative is not wanted."
+    )
+
+
+def _refuse_for_custom(eqn: JaxprEqn, kind: str) -> NoReturn:
+    refuse_differentiated_ctx(
+        eqn,
+        f"a {kind} function",
+        f"Plain JAX refuses a differentiated value closed over by a {kind} function the "
+        f"same way. Pass the value to the function as an argument (and to its rules)",
     )
 
 
@@ -286,18 +354,22 @@ def default_custom_jvp_handler(
     """
     check_params(eqn)
     body, ctx_values = _traced(interpreter, ctx, eqn, "custom_jvp")
-    original = _original(eqn)
+    # A rule traced inside `tracing_rule` differs from JAX's: not from, nor into,
+    # the memo of the equation's traced rule.
+    original = _original(
+        eqn, None if tracing_rule is None else _compat.unmemoized_rules(eqn.params)
+    )
 
     def primal(ctx_values: list[Any], args: list[Any]) -> tuple[list[Any], list[Any]]:
         return body.call(ctx_values, args)
 
-    read = _ctx_read_by_outputs(body)
+    read = ctx_read_by_outputs(body)
 
     def primal_jvp(primals: Any, tangents: Any) -> Any:
         ctx_values, args = primals
         in_ctx_tangents, arg_tangents = tangents
         if any(r and not isinstance(t, _SymbolicZero) for r, t in zip(read, in_ctx_tangents)):
-            _refuse_differentiated_ctx(eqn, "custom_jvp")
+            _refuse_for_custom(eqn, "custom_jvp")
         ctx_out, outs = _quiet(body)(ctx_values, args)
         perturbed = tuple(not isinstance(t, _SymbolicZero) for t in arg_tangents)
         diff_tangents, _ = _split_perturbed(arg_tangents, perturbed)
@@ -396,7 +468,11 @@ def default_custom_vjp_handler(
     """
     check_params(eqn)
     body, ctx_values = _traced(interpreter, ctx, eqn, "custom_vjp")
-    original = _original(eqn)
+    # As for custom_jvp: a `fwd` traced inside `tracing_rule` (one that
+    # differentiates the function, with `jax.vjp`) is not JAX's.
+    original = _original(
+        eqn, None if tracing_rule is None else _compat.unmemoized_rules(eqn.params)
+    )
     out_avals = tuple(v.aval for v in eqn.outvars)
     num_ctx = len(ctx_values)
 
@@ -409,7 +485,7 @@ def default_custom_vjp_handler(
     # there a derivative with respect to such a value is left zero.
     user_symbolic = bool(eqn.params.get("symbolic_zeros", False))
     num_consts = eqn.params.get("num_consts", 0)
-    read = _ctx_read_by_outputs(body)
+    read = ctx_read_by_outputs(body)
     symbolic = user_symbolic or (any(read) and not _compat.in_eager_shard_map())
     if not symbolic:
         read = (False,) * len(read)
@@ -424,7 +500,7 @@ def default_custom_vjp_handler(
     def primal_fwd(ctx_values: list[Any], args: list[Any]) -> Any:
         if symbolic:
             if any(r and c.perturbed for r, c in zip(read, ctx_values)):
-                _refuse_differentiated_ctx(eqn, "custom_vjp")
+                _refuse_for_custom(eqn, "custom_vjp")
             ctx_values = [c.value for c in ctx_values]
         if user_symbolic:
             perturbed = tuple(bool(a.perturbed) for a in args)
