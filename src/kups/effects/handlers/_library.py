@@ -26,7 +26,8 @@ from .._library_impl import implementation, interprets_implementation
 from .._matching import is_control_flow, subjaxprs
 from .._registry import default_handler_for
 from .._types import HandlerResult
-from ._custom_derivatives import acts_inside, ctx_read_by_outputs, refuse_differentiated_ctx
+from ._context_reads import ctx_read_by_outputs
+from ._custom_derivatives import acts_inside, refuse_differentiated_ctx
 from ._library_jvp import Interpreted, rule_tangents
 
 _SymbolicZero = _compat.symbolic_zero_type()
