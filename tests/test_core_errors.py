@@ -380,6 +380,54 @@ def test_a_library_jitted_function_given_to_reinterpret_is_placed_at_the_users_c
     assert f", called from {__file__}:{LINES['call_filter_jit']} (" in message
 
 
+def _raises_for(primitive: str) -> Interpreter:
+    def fails(interpreter, ctx, eqn, invals):
+        raise ValueError(f"no {primitive} here")
+
+    return Interpreter(default_dispatcher().register_handler(primitive, fails))
+
+
+def test_an_equation_inside_a_library_jit_names_the_users_line_that_called_the_library(
+    tmp_path, monkeypatch
+):
+    # JAX cuts an equation's traceback at the jit it was traced in: inside an
+    # installed library's jitted function only the library's lines are left. The
+    # user's line comes from the jit equation around it, which the interpreter is in.
+    package = tmp_path / "site-packages" / "kups_test_jitted_lib"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "import jax\nimport jax.numpy as jnp\n\n\n@jax.jit\ndef sine(x):\n    return jnp.sin(x)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+    import kups_test_jitted_lib
+
+    def user_fn(x):
+        return kups_test_jitted_lib.sine(x) * 2.0  # the user's call of the library
+
+    with pytest.raises(ValueError, match="no sin here") as info:
+        LINES["call_jitted_lib"] = _next_line()
+        reinterpret(user_fn, _raises_for("sin"))(0, X)
+    message = str(info.value)
+    assert f"primitive 'sin' at {package / '__init__.py'}:7" in message
+    called = f", called from {__file__}:{user_fn.__code__.co_firstlineno + 1}:"
+    assert called in message and ".user_fn), called with" in message
+    # Not the line that called the interpreted function.
+    assert f"{at('call_jitted_lib')} (" not in message
+
+
+def test_an_equation_without_a_user_line_is_placed_at_the_call_around_it():
+    # `jnp.remainder` is a jit: its equations have none of the user's lines.
+    def user_fn(x):
+        return jnp.remainder(x, 0.3) + 1.0  # the user's call
+
+    with pytest.raises(ValueError, match="no rem here") as info:
+        reinterpret(user_fn, _raises_for("rem"))(0, X)
+    message = str(info.value)
+    line = f"{__file__}:{user_fn.__code__.co_firstlineno + 1}:"
+    assert f"primitive 'rem' inside the call at {line}" in message
+    assert "unknown" not in message
+
+
 def test_reduce_ctx_axis_suggestion_for_a_shard_map_given_to_reinterpret_names_the_line():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     spec = jax.sharding.PartitionSpec("data")

@@ -713,8 +713,12 @@ def test_lineax_plant_in_a_function_operator(lx: ModuleType, solver: str) -> Non
     np.testing.assert_allclose(jax.jacfwd(planted)(p), expected, rtol=1e-4)
     with pytest.raises(NotImplementedError, match=r"Reverse-mode differentiation.*linear_solve"):
         jax.grad(planted)(p)
-    with pytest.raises(ValueError, match="library primitive 'linear_solve'"):
+    with pytest.raises(ValueError, match="library primitive 'linear_solve'") as info:
         jax.grad(lambda k: plant(program(None), tag="k")({"d": k}, p))(k)
+    # Placed at the user's call of lx.linear_solve (inside lineax's filter_jit,
+    # the equation has lineax's and equinox's lines only).
+    assert f"called from {__file__}:" in str(info.value)
+    assert "program.<locals>.f)" in str(info.value)
 
 
 def test_lineax_grad_with_respect_to_a_planted_value_the_solve_does_not_read(

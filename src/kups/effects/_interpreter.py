@@ -20,7 +20,7 @@ from ._effect import LostEffectError, seen, watched
 from ._meshes import ContextMesh
 from ._plan import Walk, walk_plan
 from ._policy import BackwardPass
-from ._source import api_boundary
+from ._source import api_boundary, enclosing
 from ._types import InterpreterPolicy
 from ._untouched import Handled, bind_run, handled_names, untouched
 from ._validation import check_arguments, check_static_leaves, checked_result, in_handler
@@ -227,9 +227,11 @@ class Interpreter:
         if walk.skips is not None and walk.skips[index]:
             return ctx, self._bind_unchanged(eqn, invals, walk.watch_effects)
         if handler is not None:
-            new_ctx, outvals = self._call(handler, ctx, eqn, invals)
-            if control_flow:
-                check_static_leaves(handler, eqn, ctx, new_ctx)
+            if not control_flow:
+                return self._call(handler, ctx, eqn, invals)
+            with enclosing(eqn):
+                new_ctx, outvals = self._call(handler, ctx, eqn, invals)
+            check_static_leaves(handler, eqn, ctx, new_ctx)
             return new_ctx, outvals
         if control_flow or (walk.rules and any(rule(ctx, eqn, invals) for rule in walk.rules)):
             outvals = _policy.unhandled(

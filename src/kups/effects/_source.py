@@ -79,16 +79,59 @@ def source_line(eqn: JaxprEqn) -> str:
     """`file.py:LINE (function)` of the user's code that produced `eqn`. When that
     line is in an installed library (an equinox primitive, a diffrax solver), the
     line of the user's own code that called into it follows: `lib.py:LINE (fn),
-    called from user.py:LINE (fn)`."""
+    called from user.py:LINE (fn)`.
+
+    JAX cuts an equation's traceback at the `jit` it was traced in, so the
+    equations inside a library's jitted function (lineax's `linear_solve`, under
+    `equinox.filter_jit`) have the library's lines only. While an interpreter
+    runs a sub-program, the caller is then read from the control-flow equations
+    around it (`enclosing`)."""
     frames = user_frames(eqn)
     if not frames:
         return "unknown"
     shown = _show_frame(frames[0])
     if is_installed_library(frames[0].file_name):
         caller = next((f for f in frames if not is_installed_library(f.file_name)), None)
+        if caller is None:
+            caller = _enclosing_caller()
         if caller is not None:
             shown += f", called from {_show_frame(caller)}"
     return shown
+
+
+# The control-flow equations whose sub-programs an interpreter is running,
+# outermost first (see `enclosing`).
+_ENCLOSING: contextvars.ContextVar[tuple[JaxprEqn, ...]] = contextvars.ContextVar(
+    "kups_enclosing", default=()
+)
+
+
+class enclosing:
+    """Within it, `eqn` is around the equations being interpreted: `source_line`
+    reads the user's line from it for an equation whose own traceback has only
+    installed libraries' lines. (A class, not a generator: it is entered for every
+    control-flow equation a handler takes.)"""
+
+    __slots__ = ("_outer", "_reset")
+
+    def __init__(self, eqn: JaxprEqn) -> None:
+        self._outer = eqn
+
+    def __enter__(self) -> None:
+        self._reset = _ENCLOSING.set((*_ENCLOSING.get(), self._outer))
+
+    def __exit__(self, *exc: object) -> None:
+        _ENCLOSING.reset(self._reset)
+
+
+def _enclosing_caller() -> Any:
+    """The innermost frame outside installed libraries of the equations around
+    the one being interpreted, or `None`."""
+    for outer in reversed(_ENCLOSING.get()):
+        for frame in user_frames(outer):
+            if not is_installed_library(frame.file_name):
+                return frame
+    return None
 
 
 def user_frame(eqn: JaxprEqn) -> tuple[str, int] | None:
@@ -132,14 +175,25 @@ def _call_site_line() -> str | None:
 def where(eqn: JaxprEqn) -> str:
     """`primitive 'name' at file.py:LINE (function)` for error messages.
 
-    An equation with no line of the user's (the `jit` equation of a jitted
-    function given to `reinterpret`) is placed at the user's call of it; one
-    with lines of installed libraries only (the `jit` of `equinox.filter_jit`)
-    is said to be called from there.
+    An equation with no line of the user's is placed at the user's line of the
+    control flow an interpreter is running it in (the jitted body of a `jnp`
+    function), or else at the user's call of the function being interpreted (the
+    `jit` equation of a jitted function given to `reinterpret`). One with lines of
+    installed libraries only (the `jit` of `equinox.filter_jit`) is said to be
+    called from the user's line that called the library (see `source_line`), or
+    else from the user's call of the function.
     """
     line = source_line(eqn)
     frames = user_frames(eqn)
-    only_libraries = bool(frames) and all(is_installed_library(f.file_name) for f in frames)
+    only_libraries = (
+        bool(frames)
+        and all(is_installed_library(f.file_name) for f in frames)
+        and ", called from " not in line
+    )
+    if line == "unknown":
+        caller = _enclosing_caller()
+        if caller is not None:
+            return f"primitive '{eqn.primitive.name}' inside the call at {_show_frame(caller)}"
     if line == "unknown" or only_libraries:
         called = _call_site_line()
         if called is not None and only_libraries:
