@@ -169,24 +169,20 @@ def test_a_parameter_kups_has_never_seen_is_a_clear_error():
 
 
 def test_source_line_of_an_equation_in_an_installed_library_names_the_callers_line(
-    tmp_path, monkeypatch
+    installed_library,
 ):
     # A library as pip installs it: under site-packages.
-    package = tmp_path / "site-packages" / "kups_test_fakelib"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text(
-        "import jax.numpy as jnp\n\ndef sine(x):\n    return jnp.sin(x)\n"
+    library = installed_library(
+        "kups_test_fakelib", "import jax.numpy as jnp\n\ndef sine(x):\n    return jnp.sin(x)\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
-    import kups_test_fakelib
 
     def user_fn(x):
-        return kups_test_fakelib.sine(x) * 2.0  # the user's call
+        return library.sine(x) * 2.0  # the user's call
 
     eqns = jax.make_jaxpr(user_fn)(1.0).eqns
     sine = next(e for e in eqns if e.primitive.name == "sin")
     mul = next(e for e in eqns if e.primitive.name == "mul")
-    assert source_line(sine).startswith(f"{package / '__init__.py'}:4")
+    assert source_line(sine).startswith(f"{library.__file__}:4")
     assert ", called from " in source_line(sine)
     assert source_line(sine).endswith("user_fn)")
     assert "test_compat.py" in source_line(sine).split(", called from ")[1]

@@ -388,27 +388,24 @@ def _raises_for(primitive: str) -> Interpreter:
 
 
 def test_an_equation_inside_a_library_jit_names_the_users_line_that_called_the_library(
-    tmp_path, monkeypatch
+    installed_library,
 ):
     # JAX cuts an equation's traceback at the jit it was traced in: inside an
     # installed library's jitted function only the library's lines are left. The
     # user's line comes from the jit equation around it, which the interpreter is in.
-    package = tmp_path / "site-packages" / "kups_test_jitted_lib"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text(
-        "import jax\nimport jax.numpy as jnp\n\n\n@jax.jit\ndef sine(x):\n    return jnp.sin(x)\n"
+    library = installed_library(
+        "kups_test_jitted_lib",
+        "import jax\nimport jax.numpy as jnp\n\n\n@jax.jit\ndef sine(x):\n    return jnp.sin(x)\n",
     )
-    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
-    import kups_test_jitted_lib
 
     def user_fn(x):
-        return kups_test_jitted_lib.sine(x) * 2.0  # the user's call of the library
+        return library.sine(x) * 2.0  # the user's call of the library
 
     with pytest.raises(ValueError, match="no sin here") as info:
         LINES["call_jitted_lib"] = _next_line()
         reinterpret(user_fn, _raises_for("sin"))(0, X)
     message = str(info.value)
-    assert f"primitive 'sin' at {package / '__init__.py'}:7" in message
+    assert f"primitive 'sin' at {library.__file__}:7" in message
     called = f", called from {__file__}:{user_fn.__code__.co_firstlineno + 1}:"
     assert called in message and ".user_fn), called with" in message
     # Not the line that called the interpreted function.
