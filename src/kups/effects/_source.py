@@ -90,13 +90,20 @@ def source_line(eqn: JaxprEqn) -> str:
     if not frames:
         return "unknown"
     shown = _show_frame(frames[0])
-    if is_installed_library(frames[0].file_name):
-        caller = next((f for f in frames if not is_installed_library(f.file_name)), None)
-        if caller is None:
-            caller = _enclosing_caller()
-        if caller is not None:
-            shown += f", called from {_show_frame(caller)}"
+    caller = _library_caller(frames)
+    if caller is not None:
+        shown += f", called from {_show_frame(caller)}"
     return shown
+
+
+def _library_caller(frames: list[Any]) -> Any:
+    """When the innermost of `frames` is an installed library's, the frame of the
+    user's code that called into it (from `frames`, else from the equations
+    around, see `enclosing`), or `None`."""
+    if not is_installed_library(frames[0].file_name):
+        return None
+    caller = next((f for f in frames if not is_installed_library(f.file_name)), None)
+    return caller if caller is not None else _enclosing_caller()
 
 
 # The control-flow equations whose sub-programs an interpreter is running,
@@ -188,7 +195,7 @@ def where(eqn: JaxprEqn) -> str:
     only_libraries = (
         bool(frames)
         and all(is_installed_library(f.file_name) for f in frames)
-        and ", called from " not in line
+        and _library_caller(frames) is None
     )
     if line == "unknown":
         caller = _enclosing_caller()
