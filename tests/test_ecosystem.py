@@ -47,7 +47,7 @@ import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
 
 from kups.checks import check, checked
-from kups.debug import find_nans
+from kups.debug import find_nans, nan_sites
 from kups.effects import Interpreter, InterpreterPolicy, default_dispatcher, reinterpret
 from kups.harvest import plant, reap, sow
 from kups.instrument import count_primitives
@@ -1353,6 +1353,32 @@ def test_blackjax_sow_in_log_density(blackjax: ModuleType) -> None:
     # proposal blackjax reports.
     assert reaped["x"].shape == (HMC_STEPS, LEAPFROG_STEPS, 3)
     assert_trees_equal(reaped["x"][:, -1], expected[2], "last leapfrog positions")
+
+
+def test_blackjax_nuts_nan_sites_agree_with_the_first_report(blackjax: ModuleType) -> None:
+    # NUTS starts its trajectory's log-sum-exp at a constant -inf, carried through
+    # while loops into conds: both reports blame the same equation, where the
+    # first NUTS step combines it with data (`logaddexp` in blackjax's proposal).
+    kernel = blackjax.nuts(student, step_size=0.5, inverse_mass_matrix=jnp.ones(3))
+
+    def run(key: jax.Array, state: Any) -> jax.Array:
+        def step(state: Any, key: jax.Array) -> tuple[Any, jax.Array]:
+            state, _ = kernel.step(key, state)
+            return state, state.position
+
+        return jax.lax.scan(step, state, jax.random.split(key, 3))[1]
+
+    args = (jax.random.key(0), kernel.init(jnp.array([1.0, -0.5, 2.0])))
+    expected = run(*args)
+    out, sites = jax.jit(nan_sites(run))(*args)
+    assert_trees_equal(out, expected, "nan_sites outputs")
+    _, first = jax.jit(find_nans(run, report="first"))(*args)
+    assert first.found and first.kind == "inf"
+    # The first step's first tree doubling, which every step runs.
+    assert first.iteration == (0, 0)
+    found = {(s.primitive, s.source, s.kind, s.first_iteration) for s in sites}
+    assert (first.primitive, first.source, "inf", first.iteration) in found
+    assert all(s.source == first.source for s in sites)
 
 
 # ---------------------------------------------------------------------------

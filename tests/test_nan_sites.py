@@ -334,6 +334,41 @@ def test_a_constant_a_loop_starts_from_is_made_where_the_loop_combines_it_with_d
         assert (first.primitive, first.iteration) == (looped[0][0], (0,))
 
 
+def test_a_constant_a_while_loop_or_a_cond_starts_from_is_made_where_it_meets_data():
+    # blackjax's NUTS carries its -inf log-sum-exp through while loops and passes
+    # it into conds: the equation that first combines it with data made the
+    # Inf, once (the next iterations inherit it), as for a scan and as
+    # report="first" says.
+    from kups.debug import find_nans
+
+    xs = jnp.array([0.0, 1.0, 2.0])
+
+    def while_loop(xs):
+        def body(carry):
+            i, acc = carry
+            return i + 1, acc + xs[i]  # while-acc
+
+        return lax.while_loop(lambda c: c[0] < 3, body, (0, jnp.float32(-jnp.inf)))[1]
+
+    def cond(xs):
+        return lax.cond(xs[0] < 1.0, lambda a: a + xs, lambda a: a - xs, -jnp.inf)  # cond-acc
+
+    def cond_in_while(xs):
+        def body(carry):
+            i, acc = carry
+            acc = lax.cond(i > 0, lambda a: a * 2.0, lambda a: a + xs[i], acc)  # nested-acc
+            return i + 1, acc
+
+        return lax.while_loop(lambda c: c[0] < 3, body, (0, jnp.float32(-jnp.inf)))[1]
+
+    assert sites_of(while_loop, xs) == [site("add", "while-acc", "inf", iteration=(0,))]
+    assert sites_of(cond, xs) == [site("add", "cond-acc", "inf")]
+    assert sites_of(cond_in_while, xs) == [site("add", "nested-acc", "inf", iteration=(0,))]
+    for fn, iteration in ((while_loop, (0,)), (cond, ()), (cond_in_while, (0,))):
+        first = find_nans(fn, report="first")(xs)[1]
+        assert (first.primitive, first.kind, first.iteration) == ("add", "inf", iteration)
+
+
 def test_sites_returned_from_jit_and_read_outside():
     def f(x):
         return jnp.log(x)  # log-jitted

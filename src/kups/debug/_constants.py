@@ -68,34 +68,49 @@ def _is_constant(frame: _Frame | None, eqn: JaxprEqn) -> bool:
     return id(eqn) in equations
 
 
-def _call_body(eqn: JaxprEqn) -> Jaxpr | None:
-    """The body of a call-like equation: a sub-jaxpr that takes the equation's
-    inputs one to one."""
+def _call_bodies(eqn: JaxprEqn) -> tuple[tuple[Jaxpr, ...], list[Any]]:
+    """The bodies of a call-like equation and the inputs they take one to one: a
+    call's sub-jaxpr that takes all the equation's inputs, or a `cond`'s
+    branches, which take its operands. `()` for neither."""
+    if eqn.primitive.name == "cond":
+        return tuple(sub_jaxprs(eqn)), list(eqn.invars[1:])
     for jaxpr in sub_jaxprs(eqn):
         if len(jaxpr.invars) == len(eqn.invars):
-            return jaxpr
-    return None
+            return (jaxpr,), list(eqn.invars)
+    return (), []
 
 
-# Primitives whose body takes the equation's inputs one to one.
+# Primitives whose bodies take the equation's inputs (a `cond`: its operands) one
+# to one.
 _CALLS = frozenset(
-    {"jit", "pjit", "closed_call", "core_call", "checkpoint", "custom_jvp_call", "custom_vjp_call"}
+    {
+        "jit",
+        "pjit",
+        "closed_call",
+        "core_call",
+        "checkpoint",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "cond",
+    }
 )
 
 
 def _in_frame(handler: Handler) -> Handler:
-    """`handler` for a call (`jit`, `checkpoint`, ...): the call's body and which of
-    its inputs are constants become the frame that `_FramingInterpreter` picks up
-    when the handler interprets the body."""
+    """`handler` for a call (`jit`, `checkpoint`, ...) or a `cond`: the body (the
+    branches) and which of its inputs are constants become the frame that
+    `_FramingInterpreter` picks up when the handler interprets it."""
 
     def framed(interpreter: Any, state: Any, eqn: JaxprEqn, invals: list[Any]) -> Any:
-        body = _call_body(eqn)
+        bodies, inputs = _call_bodies(eqn)
         outer = state.scope
-        if body is None or outer.frame is None:
+        if not bodies or outer.frame is None:
             return handler(interpreter, state, eqn, invals)
         _, constant_vars = _constant_equations(outer.frame.jaxpr, outer.frame.constant_inputs)
-        constant_inputs = tuple(_is_literal(v) or v in constant_vars for v in eqn.invars)
-        inner = dataclasses.replace(outer, frame=_Frame(body, constant_inputs))
+        constant_inputs = tuple(_is_literal(v) or v in constant_vars for v in inputs)
+        first, *others = bodies
+        frame = _Frame(first, constant_inputs, bodies if others else ())
+        inner = dataclasses.replace(outer, frame=frame)
         result = handler(interpreter, state._replace(scope=inner), eqn, invals)
         return HandlerResult(result.ctx._replace(scope=outer), result.outvals)
 
@@ -114,8 +129,14 @@ class _FramingInterpreter(Interpreter):
             return super().interpret_jaxpr(jaxpr, consts, ctx, args)
         outer = ctx.scope
         frame = outer.frame
-        if frame is None or frame.jaxpr is not jaxpr:
+        if frame is not None and frame.jaxpr is not jaxpr and _is_in(jaxpr, frame.branches):
+            frame = _Frame(jaxpr, frame.constant_inputs)
+        elif frame is None or frame.jaxpr is not jaxpr:
             frame = _Frame(jaxpr, (False,) * len(jaxpr.invars))
         inner = dataclasses.replace(outer, frame=frame)
         outs, ctx = super().interpret_jaxpr(jaxpr, consts, ctx._replace(scope=inner), args)
         return outs, ctx._replace(scope=outer)
+
+
+def _is_in(jaxpr: Jaxpr, jaxprs: tuple[Jaxpr, ...]) -> bool:
+    return any(jaxpr is other for other in jaxprs)

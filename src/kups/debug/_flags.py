@@ -2,7 +2,8 @@
 for a recorder that counts only what an equation made itself, whether an
 equation's inputs already held one (`_inherited`), known from the checks that
 made them, from the inputs of an equation that only moves their elements
-(`_passes_through`), carried by a `scan` and passed into calls (`_held_through`)."""
+(`_passes_through`), carried by a `scan` or a `while` loop and passed into calls
+(`_held_through`)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,16 @@ class _Carried:
     """For a recorder that counts only what an equation made itself: whether each
     input of a sub-program from `offset` on held a watched NaN/Inf (a traced
     bool, or `None`), so that the sub-program does not reduce it again. For a
-    `scan` (`loop`) they are its carries, and the body gives them back for its
+    loop (`loop`) they are its carries, and the body gives them back for its
     carry outputs (the loop carries them); for a call, the body gives back the
     flags it knows of its outputs, and the `checks` it made that are not yet in
-    the record (the caller records them with its own)."""
+    the record (the caller records them with its own).
+
+    A `while` loop runs its condition too with them: `body` is then the loop's
+    body, the one jaxpr that gives them back; the condition's last inputs are
+    the carries, and it leaves the flags as they are. A `cond`'s branch takes
+    its operands' flags and gives nothing back (`back`): each branch would give
+    its own."""
 
     def __init__(
         self,
@@ -47,18 +54,33 @@ class _Carried:
         flags: tuple[Any, ...],
         loop: bool = True,
         checks: tuple[_Check, ...] = (),
+        body: Any = None,
+        back: bool = True,
     ) -> None:
         self.offset = offset
         self.flags = flags
         self.loop = loop
         self.checks = checks
+        self.body = body
+        self.back = back
+
+    def start(self, jaxpr: Any) -> int:
+        """The index of `jaxpr`'s first input that `flags` describe."""
+        if self.body is None or self.body is jaxpr:
+            return self.offset
+        return len(jaxpr.invars) - len(self.flags)
+
+    def gives_back(self, jaxpr: Any) -> bool:
+        """Whether `jaxpr`'s outputs are the carries the flags describe (a loop's
+        body), rather than a condition's predicate."""
+        return self.loop and (self.body is None or self.body is jaxpr)
 
 
 jax.tree_util.register_pytree_node(
     _Carried,
     lambda c: (
         (c.flags, tuple((check.flags, check.inherited) for check in c.checks)),
-        (c.offset, c.loop, tuple(check.site for check in c.checks)),
+        (c.offset, c.loop, tuple(check.site for check in c.checks), c.body, c.back),
     ),
     lambda aux, children: _Carried(
         aux[0],
@@ -68,6 +90,8 @@ jax.tree_util.register_pytree_node(
             _Check(site, flags, tuple(inherited))
             for site, (flags, inherited) in zip(aux[2], children[1], strict=True)
         ),
+        aux[3],
+        aux[4],
     ),
 )
 
@@ -269,11 +293,12 @@ _PLAIN_CALLS = frozenset(
 
 
 def _held_through(handler: Any) -> Any:
-    """`handler` of a `scan` or a plain call, for a recorder that counts only what
-    an equation made itself: whether each floating carry held a NaN/Inf rides the
-    loop with it (`_Carried`), and is known after the loop; a call's body knows
-    its inputs' flags, and the call's outputs get the flags the body knew. Not
-    inside `shard_map`, where a flag would have to keep its value's varying axes."""
+    """`handler` of a loop (`scan`, `while`), a `cond` or a plain call, for a
+    recorder that counts only what an equation made itself: whether each floating
+    carry held a NaN/Inf rides the loop with it (`_Carried`), and is known after
+    the loop; a call's body (a `cond`'s branch) knows its inputs' flags, and the
+    call's outputs get the flags the body knew. Not inside `shard_map`, where a
+    flag would have to keep its value's varying axes."""
 
     def through(interpreter: Any, state: Any, eqn: JaxprEqn, invals: list[Any]) -> Any:
         if (
@@ -284,8 +309,16 @@ def _held_through(handler: Any) -> Any:
         ):
             return handler(interpreter, state, eqn, invals)
         held, kinds = interpreter.held[-1], interpreter.kinds
-        if eqn.primitive.name == "scan":
-            num_consts, num_carry = scan_layout(eqn)
+        name = eqn.primitive.name
+        if name in ("scan", "while"):
+            if name == "scan":
+                num_consts, num_carry = scan_layout(eqn)
+                offset, body = num_consts, None
+            else:
+                params = eqn.params
+                num_consts = params["cond_nconsts"] + params["body_nconsts"]
+                num_carry = len(invals) - num_consts
+                offset, body = params["body_nconsts"], params["body_jaxpr"].jaxpr
             carries = range(num_consts, num_consts + num_carry)
 
             def initial(i: int) -> Any:
@@ -299,7 +332,13 @@ def _held_through(handler: Any) -> Any:
                 return _held_flag(held, eqn.invars[i], invals[i], kinds)
 
             flags = tuple(initial(i) for i in carries)
-            carried = _Carried(num_consts, flags)
+            carried = _Carried(offset, flags, body=body)
+            useful = any(flag is not None for flag in flags)
+        elif name == "cond":
+            # A branch takes the flags its operands already have; it gives back
+            # neither flags nor checks (the branch that runs is not known here).
+            flags = tuple(_known(held, var) for var in eqn.invars[1:])
+            carried = _Carried(0, flags, loop=False, back=False)
             useful = any(flag is not None for flag in flags)
         else:
             # A call's body takes the flags its inputs already have (no reduction),

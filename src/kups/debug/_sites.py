@@ -52,10 +52,13 @@ class _Scope:
 
 @dataclasses.dataclass(frozen=True)
 class _Frame:
-    """A call's body and which of its inputs are constants at the call site."""
+    """A call's body and which of its inputs are constants at the call site. For a
+    `cond`, `branches` are all its branches, which take the same inputs: the
+    frame of the one that runs is made when it does."""
 
     jaxpr: Jaxpr
     constant_inputs: tuple[bool, ...]
+    branches: tuple[Jaxpr, ...] = ()
 
 
 class _Sites:

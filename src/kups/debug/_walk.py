@@ -123,7 +123,8 @@ class _State(NamedTuple):
     - `record`: the recorder's record (`None` until the program's jaxpr is seen).
     - `position`: the loop iterations and shard of the current equation.
     - `scope`: static facts about where the current equation is (`_Scope`).
-    - `carried`: what a `scan` hands its body (`_Carried`), else `None`.
+    - `carried`: what a loop, a `cond` or a call hands its body (`_Carried`), else
+      `None`.
     """
 
     record: Any
@@ -177,7 +178,8 @@ class _WalkInterpreter(_FramingInterpreter):
         held: dict[Any, Any] = {}
         if carried is not None:
             ctx = ctx._replace(carried=None)
-            for var, flag in zip(jaxpr.invars[carried.offset :], carried.flags, strict=False):
+            start = carried.start(jaxpr)
+            for var, flag in zip(jaxpr.invars[start:], carried.flags, strict=False):
                 if flag is not None:
                     held[var] = flag
         self.held.append(held)
@@ -185,16 +187,21 @@ class _WalkInterpreter(_FramingInterpreter):
         self.pending.append([])
         try:
             outs, ctx = super().interpret_jaxpr(jaxpr, consts, ctx, args)
-            handed = carried is not None and not carried.loop and self.recorder.batched
+            handed = (
+                carried is not None and not carried.loop and carried.back and self.recorder.batched
+            )
             if not handed:
                 ctx = self.flush(ctx)
-            if carried is not None and carried.loop:
+            if carried is not None and carried.loop and not carried.gives_back(jaxpr):
+                # A while loop's condition: the flags stay those of the carries.
+                ctx = ctx._replace(carried=carried)
+            elif carried is not None and carried.loop:
                 flags = tuple(
                     None if flag is None else _held_flag(held, var, value, self.kinds)
                     for var, value, flag in zip(jaxpr.outvars, outs, carried.flags, strict=False)
                 )
-                ctx = ctx._replace(carried=_Carried(carried.offset, flags))
-            elif carried is not None:
+                ctx = ctx._replace(carried=_Carried(carried.offset, flags, body=carried.body))
+            elif carried is not None and carried.back:
                 known = tuple(_known(held, v) for v in jaxpr.outvars)
                 # A call's last checks are recorded with the caller's: one update
                 # of the record, not one per call.
@@ -364,8 +371,10 @@ def _dispatcher(sites: _Sites, kinds: tuple[str, ...]) -> Dispatcher:
         )
         .register_handler(
             "while",
-            _settled_before(
-                track_position(functools.partial(default_while_handler, thread_condition=True))
+            _held_through(
+                _settled_before(
+                    track_position(functools.partial(default_while_handler, thread_condition=True))
+                )
             ),
         )
         .register_handler("shard_map", _settled_before(track_position(_check_shard_map)))
@@ -374,7 +383,7 @@ def _dispatcher(sites: _Sites, kinds: tuple[str, ...]) -> Dispatcher:
     for name, handler in dispatcher.handlers.items():
         if name in _CALLS:
             handler = _in_frame(handler)
-        if name in _PLAIN_CALLS:
+        if name in _PLAIN_CALLS or name == "cond":
             handler = _held_through(handler)
         dispatcher.register_handler(name, _located(sites, handler))
     return dispatcher
