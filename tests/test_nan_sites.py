@@ -223,6 +223,32 @@ def test_eager_shard_map_without_loops(mesh8, program):
         ]
 
 
+def test_auto_axes_region_of_a_program_on_an_explicit_mesh():
+    # Inside the region, JAX runs under a mesh with other axis types: what the
+    # walk reduces of the region's inputs (typed for the mesh outside) and the
+    # checks it adds up outside must be retyped.
+    from jax.sharding import AxisType
+
+    mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    on = jax.NamedSharding(mesh, P())
+
+    def region(a, b):
+        return jnp.log(a * b)  # log-in-region
+
+    def f(a, b):
+        c = jax.sharding.auto_axes(region, out_sharding=on)(a, b)
+        return c, jnp.sqrt(b - 2.0)  # sqrt-after-region
+
+    a = jax.device_put(jnp.array([1.0, -1.0, 0.0, 2.0] * 4), on)
+    b = jax.device_put(jnp.ones(16), on)
+    with jax.set_mesh(mesh):
+        assert sites_of(f, a, b) == [
+            site("log", "log-in-region"),
+            site("log", "log-in-region", "inf"),
+            site("sqrt", "sqrt-after-region"),
+        ]
+
+
 def test_an_equation_that_only_moves_elements_is_not_checked_and_passes_them_on():
     # Reshapes, a transpose, a negation, a concatenation, a broadcast, a widening
     # cast and a jit around some of them move the sqrt's NaN: none of them made

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Jaxpr
 
-from kups.effects import equations_in, reduce_shards, sub_jaxprs
+from kups.effects import equations_in, reduce_shards, sub_jaxprs, to_current_mesh
 
 from ._flags import _Check
 from ._position import _first_shard, _pick
@@ -95,18 +95,26 @@ class _AllSitesRecorder:
         by_site: dict[int, _Check] = {c.site: c for c in run}
         rows = [by_site.get(site) for site in range(lo, hi)]
         kinds = len(self.kinds)
-        made = jnp.stack([no if c is None else c.flags[kind] for c in rows for kind in self.kinds])
+        # Flags of checks run inside an `auto_axes` / `explicit_axes` region are
+        # typed for the region's mesh.
+        made = jnp.stack(
+            to_current_mesh(
+                [no if c is None else c.flags[kind] for c in rows for kind in self.kinds]
+            )
+        )
         made = jax.lax.reshape(made, (hi - lo, kinds))
         inputs = max(len(c.inherited) for c in run)
         if inputs:
             # Whether an input of each check held one: its inputs' flags side by
             # side, `or`-ed in this kernel (not one kernel per check).
             held = jnp.stack(
-                [
-                    c.inherited[i] if c is not None and i < len(c.inherited) else no
-                    for c in rows
-                    for i in range(inputs)
-                ]
+                to_current_mesh(
+                    [
+                        c.inherited[i] if c is not None and i < len(c.inherited) else no
+                        for c in rows
+                        for i in range(inputs)
+                    ]
+                )
             )
             held = jax.lax.reshape(held, (hi - lo, inputs))
             columns = [jax.lax.index_in_dim(held, i, 1, keepdims=False) for i in range(inputs)]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import JaxprEqn
 
-from kups.effects import HandlerResult
+from kups.effects import HandlerResult, to_current_mesh
 
 from ._constants import _constant_equations, _is_literal
 from ._sites import _is_float, scan_layout, widening_cast
@@ -275,11 +275,12 @@ def _held_flag(held: dict[Any, Any], var: Any, value: Any, kinds: tuple[str, ...
             flag = held[var] = functools.reduce(_or, flags)
         return flag
     value = value if hasattr(value, "ndim") else np.asarray(value)  # a Python float
+    # An input of an equation of an `auto_axes` / `explicit_axes` region is typed
+    # for the mesh outside it, while the equation runs under the region's.
+    value = to_current_mesh(value)
     # With both kinds, `not isfinite` alone would say it; but XLA on CPU splits a
     # reduction of one bool into three kernels, and compiles a reduction of two
-    # at once as one.
-    # With both kinds not exact: two outputs, NaN and not finite, since XLA on
-    # CPU splits a reduction of one bool into three kernels.
+    # (NaN and not finite) at once as one.
     _, flag = _flags([value], kinds, exact=len(kinds) == 1, either=True)
     if not _is_literal(var):
         held[var] = flag
