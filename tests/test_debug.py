@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import kups.effects
 from kups import debug
-from kups.debug import NanReport, find_nans
+from kups.debug import NanReport, find_nans, nan_sites
 
 with open(__file__) as _file:
     _LINES = _file.read().splitlines()
@@ -1615,6 +1615,37 @@ def test_inf_in_a_shard_map_argument_is_not_blamed_on_the_pvary_jax_inserts(repo
     with jax.set_mesh(mesh):
         found = report_of(g, x, w, report=report)
     expect(found, "dot_general", "sharded-matmul", kind="inf", shard={"data": 2, "model": 0})
+
+
+@pytest.mark.parametrize("report", ["reaching", "first"])
+def test_scan_with_stacked_outputs_and_an_auto_axes_region_on_an_explicit_mesh(report):
+    # Under `jax.set_mesh` of a mesh with Explicit axes: the origins a scan
+    # stacks row by row are typed for the mesh, and so is the buffer they are
+    # written into; the shard and iterations of a check made inside an
+    # `auto_axes` region (typed for the region's mesh) are written outside it.
+    from jax.sharding import AxisType
+
+    mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    on = jax.NamedSharding(mesh, P())
+
+    def f(a, b):
+        def body(c, x):
+            v = jax.sharding.auto_axes(lambda a: jnp.log(a), out_sharding=on)(a)  # log-in-region
+            r = jnp.sin(c * x) + v
+            return r, r
+
+        c, ys = lax.scan(body, b, jnp.arange(1.0, 4.0)[:, None] * b[None, :])
+        return c + ys.sum(0)
+
+    a = jax.device_put(jnp.array([1.0, -1.0, 0.0, 2.0] * 4), on)
+    b = jax.device_put(jnp.ones(16), on)
+    with jax.set_mesh(mesh):
+        expect(report_of(f, a, b, report=report), "log", "log-in-region", iterations=(0,))
+        _, sites = jax.jit(nan_sites(f))(a, b)
+    assert [(s.primitive, s.kind, s.count, s.first_iteration) for s in sites] == [
+        ("log", "nan", 3, (0,)),
+        ("log", "inf", 3, (0,)),
+    ]
 
 
 @pytest.mark.parametrize("report", ["reaching", "first"])

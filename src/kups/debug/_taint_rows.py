@@ -49,8 +49,15 @@ jax.tree_util.register_pytree_node(
 
 
 def no_rows(length: int, info_length: int) -> _Rows:
-    """The rows of a stacked output before any iteration wrote one: finite."""
-    return _Rows(np.full((length,), _FINE), np.zeros((length, info_length), np.int32))
+    """The rows of a stacked output before any iteration wrote one: finite.
+
+    Under a mesh (`jax.set_mesh`), typed for it, as the origins written into them
+    are (a NumPy array is typed for no mesh, and `dynamic_update_slice` wants
+    both typed alike)."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return _Rows(np.full((length,), _FINE), np.zeros((length, info_length), np.int32))
+    w = jnp.full((length,), _FINE, jnp.int32)
+    return _Rows(w, jnp.zeros((length, info_length), jnp.int32))
 
 
 def written(rows: _Rows, index: Any, origin: _Origin) -> _Rows:

@@ -163,8 +163,9 @@ class _WalkInterpreter(_FramingInterpreter):
         # Per jaxpr being run: its loop depth and shard_map nesting, which change
         # at the jaxprs whose end the recorder settles.
         self.levels: list[tuple[int, int] | None] = []
-        # `_stamp`'s cache: by the ids of the shard coordinates and counters it was made of.
-        self.stamps: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
+        # `_stamp`'s cache: by the ids of the shard coordinates and counters it was
+        # made of, and the mesh in effect.
+        self.stamps: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = {}
 
     def interpret_jaxpr(
         self, jaxpr: Jaxpr, consts: Any, ctx: Any, args: Any
@@ -234,7 +235,10 @@ def _stamp(interpreter: Any, state: _State) -> Any:
         # Outside loops and shard_map: a constant (no value to cache it by).
         return np.array([0] + [-1] * interpreter.depth, np.int32)
     key = (position.coords, *position.loops)
-    cached = interpreter.stamps.get(tuple(map(id, key)))
+    # Made inside an `auto_axes` / `explicit_axes` region, it is typed for the
+    # region's mesh: one per mesh in effect.
+    index = (*map(id, key), jax.sharding.get_abstract_mesh())
+    cached = interpreter.stamps.get(index)
     if cached is not None and all(a is b for a, b in zip(cached[0], key, strict=True)):
         return cached[1]
     padding = [np.int32(-1)] * (interpreter.depth - position.depth)
@@ -242,7 +246,7 @@ def _stamp(interpreter: Any, state: _State) -> Any:
     parts = [jax.lax.reshape(jnp.asarray(v, jnp.int32), (1,)) for v in (here, *position.loops)]
     parts += [np.full((len(padding),), -1, np.int32)] if padding else []
     stamp = jax.lax.concatenate(parts, 0)
-    interpreter.stamps[tuple(map(id, key))] = (key, stamp)
+    interpreter.stamps[index] = (key, stamp)
     return stamp
 
 
