@@ -1100,6 +1100,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from kups.checks import check, checked
+from kups.debug import find_nans, nan_sites
 from kups.effects import Interpreter, default_dispatcher, reinterpret
 from kups.harvest import plant, reap, sow
 from kups.instrument import count_primitives

@@ -11,7 +11,12 @@ For every generated program:
 - with effects sprinkled in: `reap` returns the values the threaded twin
   threads by hand, `plant` of those values changes nothing, and `checked`
   reports the threaded twin's first failing check, with its iteration, shard
-  and source line.
+  and source line;
+- with arguments scaled to overflow (sums become Infs, then NaNs), `find_nans`
+  and `nan_sites` agree with each other and with the outputs: `report="first"`
+  finds something exactly when `nan_sites` lists a site, and its equation,
+  line and iteration are among the sites; `report="reaching"` finds something
+  exactly when an output holds a NaN or an Inf.
 
 About a fifth of the programs are explicit (`progen`'s docstring): their
 arguments live on a mesh with Explicit axes and they run under `jax.set_mesh`
@@ -44,6 +49,7 @@ import pytest
 
 import progen
 from kups.checks import checked
+from kups.debug import find_nans, nan_sites
 from kups.effects import Interpreter, default_dispatcher, reinterpret
 from kups.harvest import plant, reap
 from kups.instrument import count_primitives
@@ -53,6 +59,7 @@ pytestmark = [pytest.mark.fuzz, pytest.mark.leakcheck]
 FIRST = int(os.environ.get("KUPS_FUZZ_SEED", "0"))
 N_IDENTITY = int(os.environ.get("KUPS_FUZZ_N", "200"))
 N_EFFECTS = int(os.environ.get("KUPS_FUZZ_N", "40"))
+N_NANS = int(os.environ.get("KUPS_FUZZ_N", "25"))
 JIT_EVERY = int(os.environ.get("KUPS_FUZZ_JIT_EVERY", "8"))
 SHRINK = os.environ.get("KUPS_FUZZ_SHRINK", "") == "1"
 CHUNK = 25  # programs per test item: fewer items, the same reproducers
@@ -363,3 +370,54 @@ def check_effects(program: progen.Program) -> None:
 @pytest.mark.parametrize("seeds", chunks(N_EFFECTS), ids=lambda r: f"seeds{r.start}-{r.stop - 1}")
 def test_reap_plant_and_checks(seeds):
     run_all(seeds, True, check_effects)
+
+
+# ---------------------------------------------------------------------------
+# NaN reports: find_nans and nan_sites against each other and the outputs.
+# ---------------------------------------------------------------------------
+
+# Arguments this large overflow the programs' sums and cumulative sums into
+# Infs, which `sin`, `maximum`, differences and loops turn into NaNs.
+NAN_SCALE = 3e37
+
+_SCALED = f"""
+args = tuple(a * {NAN_SCALE!r} for a in args)
+"""
+
+
+def check_nans(program: progen.Program) -> None:
+    fn = program.fn
+    args = tuple(a * NAN_SCALE for a in program.args)
+    # Its own outputs, not the plain program's: compiled with the checks, they
+    # may differ in the last bits, and `sin` of arguments this large then differs
+    # in every bit (the identity test compares outputs).
+    out, reaching = jax.jit(find_nans(fn))(*args)
+    held = any(
+        not np.all(np.isfinite(host(leaf)))
+        for leaf in jax.tree.leaves(out)
+        if jnp.issubdtype(leaf.dtype, jnp.inexact)
+    )
+    if reaching.found != held:
+        raise Mismatch(
+            f"find_nans reports {reaching!r}, but an output holds a NaN or an Inf: {held}",
+            _SCALED + "print(*jax.jit(find_nans(program))(*args))",
+        )
+    _, first = jax.jit(find_nans(fn, report="first"))(*args)
+    _, sites = jax.jit(nan_sites(fn))(*args)
+    listed = {(s.primitive, s.source, s.first_iteration) for s in sites}
+    if first.found != bool(listed) or (
+        first.found and (first.primitive, first.source, first.iteration) not in listed
+    ):
+        raise Mismatch(
+            f"find_nans(report='first') reports {first!r}, not among nan_sites' {sites!r}",
+            _SCALED
+            + """
+            print(jax.jit(find_nans(program, report="first"))(*args)[1])
+            print(jax.jit(nan_sites(program))(*args)[1])
+            """,
+        )
+
+
+@pytest.mark.parametrize("seeds", chunks(N_NANS), ids=lambda r: f"seeds{r.start}-{r.stop - 1}")
+def test_nan_reports_agree(seeds):
+    run_all(seeds, False, check_nans)

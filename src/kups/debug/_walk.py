@@ -186,6 +186,9 @@ class _WalkInterpreter(_FramingInterpreter):
         self.held.append(held)
         self.levels.append(level)
         self.pending.append([])
+        # The stamps made while it runs are values of its trace: dropped after it.
+        stamps = self.stamps
+        self.stamps = dict(stamps)
         try:
             outs, ctx = super().interpret_jaxpr(jaxpr, consts, ctx, args)
             handed = (
@@ -208,12 +211,14 @@ class _WalkInterpreter(_FramingInterpreter):
                 # of the record, not one per call.
                 checks = tuple(self.pending[-1]) if handed else ()
                 ctx = ctx._replace(carried=_Carried(0, known, loop=False, checks=checks))
+            if settle and ctx.record is not None:
+                stamp = _stamp(self, ctx)
+                ctx = ctx._replace(record=self.recorder.settle(ctx.record, jaxpr, stamp))
         finally:
             self.held.pop()
             self.levels.pop()
             self.pending.pop()
-        if settle and ctx.record is not None:
-            ctx = ctx._replace(record=self.recorder.settle(ctx.record, jaxpr, _stamp(self, ctx)))
+            self.stamps = stamps
         return outs, ctx
 
     def flush(self, ctx: Any) -> Any:
