@@ -26,7 +26,7 @@ Every failure prints a standalone reproducer: the seed, the program's source and
 the call that failed.
 
 `KUPS_FUZZ_N` programs per test (default 200 for the identity test, 40 for the
-effects test), from seed `KUPS_FUZZ_SEED` (default 0); `KUPS_FUZZ_JIT_EVERY`
+effects test; a quarter of it, 12 by default, for the NaN reports), from seed `KUPS_FUZZ_SEED` (default 0); `KUPS_FUZZ_JIT_EVERY`
 (default 8) says how often a program is also checked under `jax.jit` and
 differentiated; `KUPS_FUZZ_SHRINK=1` shrinks a failing program before printing
 it (statements replaced by copies of their inputs while it fails the same
@@ -59,7 +59,8 @@ pytestmark = [pytest.mark.fuzz, pytest.mark.leakcheck]
 FIRST = int(os.environ.get("KUPS_FUZZ_SEED", "0"))
 N_IDENTITY = int(os.environ.get("KUPS_FUZZ_N", "200"))
 N_EFFECTS = int(os.environ.get("KUPS_FUZZ_N", "40"))
-N_NANS = int(os.environ.get("KUPS_FUZZ_N", "25"))
+# A quarter as many: each program runs three instrumented programs, compiled.
+N_NANS = max(1, int(os.environ.get("KUPS_FUZZ_N", "48")) // 4)
 JIT_EVERY = int(os.environ.get("KUPS_FUZZ_JIT_EVERY", "8"))
 SHRINK = os.environ.get("KUPS_FUZZ_SHRINK", "") == "1"
 CHUNK = 25  # programs per test item: fewer items, the same reproducers
@@ -81,8 +82,8 @@ class Mismatch(AssertionError):
         self.threaded = threaded
 
 
-def chunks(count: int) -> list[range]:
-    return [range(s, min(s + CHUNK, FIRST + count)) for s in range(FIRST, FIRST + count, CHUNK)]
+def chunks(count: int, size: int = CHUNK) -> list[range]:
+    return [range(s, min(s + size, FIRST + count)) for s in range(FIRST, FIRST + count, size)]
 
 
 def failure(program: progen.Program, check: Callable[[progen.Program], None]) -> str | None:
@@ -418,6 +419,8 @@ def check_nans(program: progen.Program) -> None:
         )
 
 
-@pytest.mark.parametrize("seeds", chunks(N_NANS), ids=lambda r: f"seeds{r.start}-{r.stop - 1}")
+@pytest.mark.parametrize(
+    "seeds", chunks(N_NANS, size=4), ids=lambda r: f"seeds{r.start}-{r.stop - 1}"
+)
 def test_nan_reports_agree(seeds):
     run_all(seeds, False, check_nans)
