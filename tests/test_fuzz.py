@@ -26,11 +26,12 @@ Every failure prints a standalone reproducer: the seed, the program's source and
 the call that failed.
 
 `KUPS_FUZZ_N` programs per test (default 200 for the identity test, 40 for the
-effects test; a quarter of it, 12 by default, for the NaN reports), from seed `KUPS_FUZZ_SEED` (default 0); `KUPS_FUZZ_JIT_EVERY`
-(default 8) says how often a program is also checked under `jax.jit` and
-differentiated; `KUPS_FUZZ_SHRINK=1` shrinks a failing program before printing
-it (statements replaced by copies of their inputs while it fails the same
-way). Thousands locally:
+effects test; a quarter of it, 12 by default, for the NaN reports), from seed
+`KUPS_FUZZ_SEED` (default 0); `KUPS_FUZZ_JIT_EVERY` (default 8) says how often
+a program is also checked under `jax.jit` and differentiated;
+`KUPS_FUZZ_SHRINK=1` shrinks a failing program before printing it (statements
+replaced by copies of their inputs while it fails the same way). Thousands
+locally:
 
     KUPS_FUZZ_N=5000 pytest -m fuzz -n 2 tests/test_fuzz.py
 """
