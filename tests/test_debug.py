@@ -2,6 +2,7 @@
 first NaN or Inf, worked out by hand: the line (marked with a `# <marker>`
 comment), the iteration and the shard."""
 
+import contextlib
 import inspect
 import os
 import re
@@ -1617,12 +1618,15 @@ def test_inf_in_a_shard_map_argument_is_not_blamed_on_the_pvary_jax_inserts(repo
     expect(found, "dot_general", "sharded-matmul", kind="inf", shard={"data": 2, "model": 0})
 
 
+@pytest.mark.parametrize("set_mesh", [True, False], ids=["set_mesh", "arrays-mesh"])
 @pytest.mark.parametrize("report", ["reaching", "first"])
-def test_scan_with_stacked_outputs_and_an_auto_axes_region_on_an_explicit_mesh(report):
-    # Under `jax.set_mesh` of a mesh with Explicit axes: the origins a scan
-    # stacks row by row are typed for the mesh, and so is the buffer they are
-    # written into; the shard and iterations of a check made inside an
-    # `auto_axes` region (typed for the region's mesh) are written outside it.
+def test_scan_with_stacked_outputs_and_an_auto_axes_region_on_an_explicit_mesh(report, set_mesh):
+    # On a mesh with Explicit axes, under `jax.set_mesh` or only through the
+    # arguments' shardings: the origins a scan stacks row by row are typed for
+    # the mesh, and so is the buffer they are written into; the shard and
+    # iterations of a check made inside an `auto_axes` region (typed for the
+    # region's mesh) are written outside it; nan_sites' table is typed for the
+    # mesh of the checks added to it.
     from jax.sharding import AxisType
 
     mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
@@ -1639,7 +1643,7 @@ def test_scan_with_stacked_outputs_and_an_auto_axes_region_on_an_explicit_mesh(r
 
     a = jax.device_put(jnp.array([1.0, -1.0, 0.0, 2.0] * 4), on)
     b = jax.device_put(jnp.ones(16), on)
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
         expect(report_of(f, a, b, report=report), "log", "log-in-region", iterations=(0,))
         _, sites = jax.jit(nan_sites(f))(a, b)
     assert [(s.primitive, s.kind, s.count, s.first_iteration) for s in sites] == [

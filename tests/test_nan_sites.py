@@ -1,6 +1,7 @@
 """`kups.debug.nan_sites`, checked against the sites, counts, first iterations and
 shards of each test program, worked out by hand (lines marked `# <marker>`)."""
 
+import contextlib
 import os
 
 import equinox as eqx
@@ -223,10 +224,12 @@ def test_eager_shard_map_without_loops(mesh8, program):
         ]
 
 
-def test_auto_axes_region_of_a_program_on_an_explicit_mesh():
+@pytest.mark.parametrize("set_mesh", [True, False], ids=["set_mesh", "arrays-mesh"])
+def test_auto_axes_region_of_a_program_on_an_explicit_mesh(set_mesh):
     # Inside the region, JAX runs under a mesh with other axis types: what the
     # walk reduces of the region's inputs (typed for the mesh outside) and the
-    # checks it adds up outside must be retyped.
+    # checks it adds up outside must be retyped. Without `jax.set_mesh`, the
+    # mesh is the arguments' and the table is typed for it.
     from jax.sharding import AxisType
 
     mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
@@ -241,7 +244,7 @@ def test_auto_axes_region_of_a_program_on_an_explicit_mesh():
 
     a = jax.device_put(jnp.array([1.0, -1.0, 0.0, 2.0] * 4), on)
     b = jax.device_put(jnp.ones(16), on)
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
         assert sites_of(f, a, b) == [
             site("log", "log-in-region"),
             site("log", "log-in-region", "inf"),

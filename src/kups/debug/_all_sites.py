@@ -25,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Jaxpr
 
-from kups.effects import equations_in, reduce_shards, sub_jaxprs, to_current_mesh
+from kups.effects import equations_in, reduce_shards, sub_jaxprs
 
 from ._flags import _Check
+from ._meshes import mesh_of, on_mesh
 from ._position import _first_shard, _pick
 from ._sites import _is_float_aval
 
@@ -96,11 +97,10 @@ class _AllSitesRecorder:
         rows = [by_site.get(site) for site in range(lo, hi)]
         kinds = len(self.kinds)
         # Flags of checks run inside an `auto_axes` / `explicit_axes` region are
-        # typed for the region's mesh.
+        # typed for the region's mesh; outside, they are typed for the record's.
+        mesh = mesh_of([jax.typeof(record)])
         made = jnp.stack(
-            to_current_mesh(
-                [no if c is None else c.flags[kind] for c in rows for kind in self.kinds]
-            )
+            on_mesh([no if c is None else c.flags[kind] for c in rows for kind in self.kinds], mesh)
         )
         made = jax.lax.reshape(made, (hi - lo, kinds))
         inputs = max(len(c.inherited) for c in run)
@@ -108,12 +108,13 @@ class _AllSitesRecorder:
             # Whether an input of each check held one: its inputs' flags side by
             # side, `or`-ed in this kernel (not one kernel per check).
             held = jnp.stack(
-                to_current_mesh(
+                on_mesh(
                     [
                         c.inherited[i] if c is not None and i < len(c.inherited) else no
                         for c in rows
                         for i in range(inputs)
-                    ]
+                    ],
+                    mesh,
                 )
             )
             held = jax.lax.reshape(held, (hi - lo, inputs))

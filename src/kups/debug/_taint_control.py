@@ -135,7 +135,7 @@ def _taint_loop(
         xs = origins[num_consts + num_carry :]
         steps = int(eqn.params["length"])
         ys = [
-            no_rows(steps, length)
+            no_rows(steps, length, eqn)
             if 0 < steps <= MAX_ROWS and _is_float_aval(v.aval)
             else _as_slot(_FINITE, v.aval, length)
             for v in eqn.outvars[num_carry:]

@@ -25,6 +25,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.extend.core import JaxprEqn, Literal
 
+from ._meshes import mesh_of, on_mesh
 from ._sites import scan_layout, widening_cast
 from ._taint_origin import _FINE, _not_finite, _Origin, _shape
 from ._taint_pieces import positions, window
@@ -48,16 +49,18 @@ jax.tree_util.register_pytree_node(
 )
 
 
-def no_rows(length: int, info_length: int) -> _Rows:
-    """The rows of a stacked output before any iteration wrote one: finite.
+def no_rows(length: int, info_length: int, eqn: JaxprEqn) -> _Rows:
+    """The rows of a stacked output of `eqn` before any iteration wrote one:
+    finite.
 
-    Under a mesh (`jax.set_mesh`), typed for it, as the origins written into them
-    are (a NumPy array is typed for no mesh, and `dynamic_update_slice` wants
-    both typed alike)."""
-    if jax.sharding.get_abstract_mesh().empty:
+    On a mesh (`jax.set_mesh`, or the one `eqn`'s values are typed for), typed
+    for it, as the origins written into them are (a NumPy array is typed for no
+    mesh, and `dynamic_update_slice` wants both typed alike)."""
+    mesh = mesh_of(v.aval for v in (*eqn.outvars, *eqn.invars) if not isinstance(v, Literal))
+    if mesh is None:
         return _Rows(np.full((length,), _FINE), np.zeros((length, info_length), np.int32))
     w = jnp.full((length,), _FINE, jnp.int32)
-    return _Rows(w, jnp.zeros((length, info_length), jnp.int32))
+    return on_mesh(_Rows(w, jnp.zeros((length, info_length), jnp.int32)), mesh)
 
 
 def written(rows: _Rows, index: Any, origin: _Origin) -> _Rows:

@@ -55,6 +55,7 @@ from ._flags import (
     _moves_data,
     _passes_through,
 )
+from ._meshes import mesh_of, on_mesh
 from ._position import _loop_depth
 from ._sites import _is_float, _located, _Scope, _Sites
 
@@ -172,7 +173,10 @@ class _WalkInterpreter(_FramingInterpreter):
     ) -> tuple[list[Any], Any]:
         if isinstance(ctx, _State) and ctx.record is None:
             self.depth = _loop_depth(jaxpr)
-            ctx = ctx._replace(record=self.recorder.start(jaxpr, self.depth))
+            # Typed for the mesh the checks will be, when the program is on one.
+            mesh = mesh_of(v.aval for v in (*jaxpr.invars, *jaxpr.outvars))
+            record = on_mesh(self.recorder.start(jaxpr, self.depth), mesh)
+            ctx = ctx._replace(record=record)
         level = (ctx.position.depth, len(ctx.position.levels)) if isinstance(ctx, _State) else None
         settle = level is not None and (not self.levels or self.levels[-1] != level)
         carried = ctx.carried if isinstance(ctx, _State) else None
