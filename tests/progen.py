@@ -1131,6 +1131,9 @@ class Program:
     other: str = ""
     explicit: bool = False
     threaded_args: tuple[jax.Array, ...] = ()  # the args, unplaced: the twin's mesh is Auto
+    # An explicit program is called under `jax.set_mesh` of its mesh, unless this
+    # is False: then the mesh is only its arguments' (as `jax.jit(f)(*placed)`).
+    set_mesh: bool = True
 
     @property
     def filename(self) -> str:
@@ -1145,7 +1148,9 @@ class Program:
         """Where to call the program: an explicit program under `jax.set_mesh` of its
         Explicit mesh (plain JAX cannot even differentiate some of them without it:
         "Please enter your `jit` into a mesh context")."""
-        return jax.set_mesh(explicit_mesh()) if self.explicit else contextlib.nullcontext()
+        if self.explicit and self.set_mesh:
+            return jax.set_mesh(explicit_mesh())
+        return contextlib.nullcontext()
 
     def run_threaded(self) -> Any:
         """The threaded twin's `((out, other), state)`, jitted, on the Auto mesh (also
@@ -1198,7 +1203,7 @@ class Program:
             )
         parts.append(args_code)
         check_code = textwrap.dedent(check_code).strip()
-        if self.explicit:
+        if self.explicit and self.set_mesh:
             check_code = "with jax.set_mesh(MESH_E):\n" + textwrap.indent(check_code, "    ")
         parts.append(check_code)
         return "\n\n".join(parts) + "\n"
@@ -1233,10 +1238,15 @@ def _namespace() -> dict[str, Any]:
 EXPLICIT_SHARE = 0.2  # of the programs, explicit (see the module docstring)
 
 
+def is_explicit(seed: int, *, effects: bool = False) -> bool:
+    """Whether the program of `seed` is explicit, without generating it."""
+    # A separate stream decides, so the other programs stay what they were.
+    return random.Random(f"explicit {seed} {effects}").random() < EXPLICIT_SHARE
+
+
 def generate(seed: int, *, effects: bool = False) -> Program:
     """The program of `seed` (`effects=True`: with sows and checks)."""
-    # A separate stream decides, so the other programs stay what they were.
-    explicit = random.Random(f"explicit {seed} {effects}").random() < EXPLICIT_SHARE
+    explicit = is_explicit(seed, effects=effects)
     gen = Generator(seed * 2 + int(effects), effects=effects, explicit=explicit)
     if explicit:
         gen.features.add("explicit")

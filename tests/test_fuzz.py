@@ -38,9 +38,11 @@ locally:
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -114,10 +116,20 @@ def _fails_like(
     return fails
 
 
-def run_all(seeds: range, effects: bool, check: Callable[[progen.Program], None]) -> None:
+def run_all(
+    seeds: Sequence[int],
+    effects: bool,
+    check: Callable[[progen.Program], None],
+    *,
+    set_mesh: bool = True,
+) -> None:
+    """Runs `check` on the programs of `seeds`; with `set_mesh=False`, an explicit
+    program is called without `jax.set_mesh` (its mesh only its arguments')."""
     failures = []
     for seed in seeds:
         program = progen.generate(seed, effects=effects)
+        if not set_mesh:
+            program = dataclasses.replace(program, set_mesh=False)
         report = failure(program, check)
         if report is not None and SHRINK:
             program = progen.shrink(program, _fails_like(check, report))
@@ -149,7 +161,8 @@ print(checked(program)(*args)[1].get())
 def _report(program: progen.Program, what: str, call: str, threaded: bool) -> str:
     bar = "=" * 78
     return (
-        f"{bar}\nseed {program.seed} (effects={program.effects}): {what}\n"
+        f"{bar}\nseed {program.seed} (effects={program.effects}"
+        f"{'' if program.set_mesh or not program.explicit else ', without jax.set_mesh'}): {what}\n"
         f"--- standalone reproducer ---\n{program.reproducer(call, threaded=threaded)}{bar}"
     )
 
@@ -425,3 +438,17 @@ def check_nans(program: progen.Program) -> None:
 )
 def test_nan_reports_agree(seeds):
     run_all(seeds, False, check_nans)
+
+
+# The first explicit programs, a third as many: called as `jax.jit(f)(*placed)`,
+# on arrays placed on the Explicit mesh, without `jax.set_mesh`.
+EXPLICIT_NANS = list(
+    itertools.islice(
+        (s for s in itertools.count(FIRST) if progen.is_explicit(s)), max(1, N_NANS // 3)
+    )
+)
+
+
+@pytest.mark.parametrize("seeds", [EXPLICIT_NANS], ids=lambda s: f"seeds{s[0]}-{s[-1]}")
+def test_nan_reports_agree_without_set_mesh(seeds):
+    run_all(seeds, False, check_nans, set_mesh=False)

@@ -25,7 +25,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.extend.core import JaxprEqn, Literal
 
-from ._meshes import mesh_of, on_mesh
+from ._meshes import for_mesh_of, mesh_of, on_mesh
 from ._sites import scan_layout, widening_cast
 from ._taint_origin import _FINE, _not_finite, _Origin, _shape
 from ._taint_pieces import positions, window
@@ -66,10 +66,10 @@ def no_rows(length: int, info_length: int, eqn: JaxprEqn) -> _Rows:
 def written(rows: _Rows, index: Any, origin: _Origin) -> _Rows:
     """`rows` with row `index` (the iteration) given `origin`."""
     index = jnp.asarray(index, jnp.int32)
-    w = jax.lax.dynamic_update_slice(rows.w, jnp.reshape(origin.w, (1,)), (index,))
-    info = jax.lax.dynamic_update_slice(
-        rows.info, jnp.reshape(origin.info, (1, -1)), (index, np.int32(0))
-    )
+    w = for_mesh_of(jnp.reshape(origin.w, (1,)), rows.w)
+    info = for_mesh_of(jnp.reshape(origin.info, (1, -1)), rows.info)
+    w = jax.lax.dynamic_update_slice(rows.w, w, (index,))
+    info = jax.lax.dynamic_update_slice(rows.info, info, (index, np.int32(0)))
     return _Rows(w, info)
 
 
@@ -335,8 +335,8 @@ def rows_made(eqn: JaxprEqn, invals: list[Any], update: Any, rows: list[Any]) ->
         old = jax.lax.dynamic_slice(own.info, (start, np.int32(0)), (length, width))
         info = jnp.where(keep, old, info)
     return _Rows(
-        jax.lax.dynamic_update_slice(own.w, w, (start,)),
-        jax.lax.dynamic_update_slice(own.info, info, (start, np.int32(0))),
+        jax.lax.dynamic_update_slice(own.w, for_mesh_of(w, own.w), (start,)),
+        jax.lax.dynamic_update_slice(own.info, for_mesh_of(info, own.info), (start, np.int32(0))),
     )
 
 
