@@ -20,7 +20,8 @@ For every generated program:
 
 About a fifth of the programs are explicit (`progen`'s docstring): their
 arguments live on a mesh with Explicit axes and they run under `jax.set_mesh`
-of it, as users of sharding in types call them.
+of it, as users of sharding in types call them; the NaN reports also run on the
+first of them without it, as `jax.jit(f)(*placed)` calls them.
 
 Every failure prints a standalone reproducer: the seed, the program's source and
 the call that failed.
