@@ -768,6 +768,42 @@ def test_reap_of_grad_keeps_the_forward_value_of_a_sow_a_backward_rule_runs_agai
         assert_tree_close(wrap(reap(jax.value_and_grad(f), tag="t"))(x)[1]["last"], expected)
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_reap_of_grad_keeps_a_clobber_sown_in_a_checkpointed_loop_that_later_steps_skip(jit):
+    # grad's forward pass calls a checkpointed body with `eval_jaxpr` (JAX 0.11+):
+    # a call, which runs its body once, as `jit` does. The sow is in a cond that
+    # the outer scan's second step never takes (equinox's bounded while loop,
+    # diffrax's DirectAdjoint, has this shape): the value stays the first step's.
+    def step(h, i):
+        def go(h):
+            sow(h, tag="t", name="h", mode="clobber", init=0.0)
+            return jnp.sin(h) * 2.0
+
+        return lax.cond(i < 3, go, lambda h: h, h), None
+
+    inner = jax.checkpoint(lambda h, js: lax.scan(step, h, js)[0])
+
+    def nested(x):
+        return lax.scan(lambda h, js: (inner(h, js), None), x, jnp.arange(8).reshape(2, 4))[0]
+
+    def bounded(x):
+        def body(c):
+            i, h = c
+            sow(h, tag="t", name="h", mode="clobber", init=0.0)
+            return i + 1, jnp.sin(h) * 2.0
+
+        return eqxi.while_loop(lambda c: c[0] < 3, body, (0, x), max_steps=64, kind="bounded")[1]
+
+    wrap = jax.jit if jit else (lambda g: g)
+    x = jnp.float32(0.5)
+    for f in (nested, bounded):
+        expected = reap(f, tag="t")(x)[1]["h"]
+        assert float(expected) != 0.0
+        grads, sown = wrap(reap(jax.grad(f), tag="t"))(x)
+        assert_tree_close(sown["h"], expected)
+        assert_tree_close(grads, jax.grad(f)(x))
+
+
 @pytest.mark.parametrize("mode", ["strict", "append"])
 @pytest.mark.parametrize("jit", [False, True])
 def test_reap_of_grad_keeps_the_forward_values_in_every_mode(mode, jit):

@@ -194,8 +194,6 @@ class Seeding:
         return False
 
 
-# Control flow that runs its body once, as it is: a clobber sow inside gives its
-# value as it would directly.
 def _fillable(aval: Any) -> bool:
     """Whether zeros of `aval` are the same type (a number or bool, not weakly typed)."""
     dtype = getattr(aval, "dtype", None)
@@ -206,6 +204,9 @@ def _fillable(aval: Any) -> bool:
     )
 
 
+# Control flow that runs its body once, as it is: a clobber sow inside gives its
+# value as it would directly. (`eval_jaxpr`, from JAX 0.11, is the call that
+# `grad`'s forward pass makes of a `jax.checkpoint` body.)
 _TRANSPARENT = frozenset(
-    {"pjit", "jit", "closed_call", "core_call", "call", "checkpoint", "remat2"}
+    {"pjit", "jit", "closed_call", "core_call", "call", "eval_jaxpr", "checkpoint", "remat2"}
 )
