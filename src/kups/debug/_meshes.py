@@ -52,4 +52,4 @@ def for_mesh_of(value: Any, ref: Any) -> Any:
     """`value` typed for the mesh `ref` is (or the one in effect), for an update
     of `ref` (`dynamic_update_slice` wants both typed alike): an origin made from
     constants is typed for no mesh, a buffer of origins for the program's."""
-    return on_mesh(value, mesh_of([getattr(ref, "aval", None) or jax.typeof(ref)]))
+    return on_mesh(value, mesh_of([jax.typeof(ref)]))
