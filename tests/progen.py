@@ -1355,7 +1355,7 @@ def shrink(program: Program, fails: Callable[[Program], bool], *, budget: int = 
     first, by copies of their inputs while the failure persists."""
 
     def rebuild(body: Block) -> Program:
-        return build(
+        smaller = build(
             program.seed,
             program.effects,
             body,
@@ -1363,6 +1363,8 @@ def shrink(program: Program, fails: Callable[[Program], bool], *, budget: int = 
             program.features,
             program.explicit,
         )
+        # Called as the failing program was: with or without `jax.set_mesh`.
+        return dataclasses.replace(smaller, set_mesh=program.set_mesh)
 
     best = program
     changed = True
