@@ -12,13 +12,17 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from kups.effects import (
+    CALL_PRIMITIVES,
     Interpreter,
     _compat,
+    call_body,
     default_dispatcher,
     default_library_primitive_handler,
     default_primitive_handler,
+    equations_in,
     reinterpret,
     source_line,
+    sub_jaxprs,
 )
 from kups.effects._registry import DEFAULT_HANDLERS
 
@@ -114,6 +118,52 @@ def test_every_default_handler_has_its_parameters_listed():
     }
     assert library == {"linear_solve", "vprim"}
     assert set(DEFAULT_HANDLERS) - legacy - library <= set(_compat.KNOWN_PARAMS)
+
+
+_CALLS = {"jit", "remat2", "custom_jvp_call", "custom_vjp_call", "call"}
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_call_body_is_the_body_of_a_call_and_none_for_other_control_flow(name):
+    _, eqn, _ = _equation(PROGRAMS[name], name if name != "call" else "closed_call")
+    body = call_body(eqn)
+    if name not in _CALLS:
+        assert body is None and eqn.primitive.name not in CALL_PRIMITIVES
+        return
+    assert eqn.primitive.name in CALL_PRIMITIVES
+    assert body is not None
+    assert len(body.invars) == len(eqn.invars) and len(body.outvars) == len(eqn.outvars)
+    assert "sin" in [e.primitive.name for e in body.eqns]
+
+
+def test_every_call_a_differentiated_checkpointed_loop_makes_is_a_call_primitive():
+    # `grad` of a checkpointed scan inside a scan: JAX 0.11 on calls the
+    # checkpointed body with `eval_jaxpr` in the forward pass. Any equation whose
+    # one sub-program takes its inputs and gives its outputs, other than a known
+    # non-call, is named in CALL_PRIMITIVES.
+    def step(h, i):
+        return lax.cond(i < 3, lambda h: jnp.sin(h) * 2.0, lambda h: h, h), None
+
+    inner = jax.checkpoint(lambda h, js: lax.scan(step, h, js)[0])
+
+    def loss(x):
+        return lax.scan(lambda h, js: (inner(h, js), None), x, jnp.arange(8).reshape(2, 4))[0]
+
+    closed = jax.make_jaxpr(jax.grad(lambda x: loss(jax.jit(jnp.cos)(x))))(0.5)
+    others = {"scan", "while", "shard_map", "custom_linear_solve", "remat_opt"}
+    found = set()
+    calls = {id(e): e for _, around in equations_in(closed) for e in around}
+    for eqn in calls.values():
+        subs = sub_jaxprs(eqn)
+        if eqn.primitive.name in others or len(subs) != 1:
+            continue
+        if len(subs[0].invars) == len(eqn.invars) and len(subs[0].outvars) == len(eqn.outvars):
+            found.add(eqn.primitive.name)
+            assert eqn.primitive.name in CALL_PRIMITIVES, (jax.__version__, eqn.primitive.name)
+            assert call_body(eqn) is subs[0]
+    assert {"jit", "remat2"} <= found, found
+    if jax.__version_info__ >= (0, 11):
+        assert "eval_jaxpr" in found, found
 
 
 def test_custom_partitioning_is_not_a_known_primitive():

@@ -331,6 +331,28 @@ def test_constant_is_blamed_on_the_line_that_writes_it():
     assert sites_of(f, jnp.array([1.0, -1.0])) == [site("select_n", "where-writes-nan")]
 
 
+@pytest.mark.parametrize("call", ["none", "jit", "checkpoint", "checkpoint-policy"])
+def test_a_constant_passed_into_a_call_is_made_where_the_call_writes_data_into_it(call):
+    # `jax.checkpoint`'s primitive is named `remat2`: its body learns which of its
+    # inputs are constants, as a `jit`'s does.
+    def write(buf, x):
+        return buf.at[:2].set(x[:2]) * 1.0  # writes-data-into-constant
+
+    wrap = {
+        "none": lambda g: g,
+        "jit": jax.jit,
+        "checkpoint": jax.checkpoint,
+        "checkpoint-policy": lambda g: jax.checkpoint(
+            g, policy=jax.checkpoint_policies.nothing_saveable
+        ),
+    }[call]
+
+    def f(x):
+        return wrap(write)(jnp.full((4,), jnp.inf), x)
+
+    assert sites_of(f, jnp.ones(4)) == [site("scatter", "writes-data-into-constant", "inf")]
+
+
 def test_a_constant_a_loop_starts_from_is_made_where_the_loop_combines_it_with_data():
     # A -inf to accumulate from, as blackjax's NUTS starts its log-sum-exp: the
     # first iteration's equation that combines it with data made the Inf, as

@@ -14,6 +14,7 @@ from typing import Any
 from jax.extend.core import Jaxpr, JaxprEqn, Literal
 
 from kups.effects import (
+    CALL_PRIMITIVES,
     Handler,
     HandlerResult,
     Interpreter,
@@ -82,18 +83,7 @@ def _call_bodies(eqn: JaxprEqn) -> tuple[tuple[Jaxpr, ...], list[Any]]:
 
 # Primitives whose bodies take the equation's inputs (a `cond`: its operands) one
 # to one.
-_CALLS = frozenset(
-    {
-        "jit",
-        "pjit",
-        "closed_call",
-        "core_call",
-        "checkpoint",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "cond",
-    }
-)
+_CALLS = CALL_PRIMITIVES | {"cond"}
 
 
 def _in_frame(handler: Handler) -> Handler:

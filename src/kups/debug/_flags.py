@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import JaxprEqn
 
-from kups.effects import HandlerResult, to_current_mesh
+from kups.effects import CALL_PRIMITIVES, HandlerResult, to_current_mesh
 
 from ._constants import _constant_equations, _is_literal
 from ._sites import _is_float, scan_layout, widening_cast
@@ -288,9 +288,7 @@ def _held_flag(held: dict[Any, Any], var: Any, value: Any, kinds: tuple[str, ...
 
 
 # Calls whose body takes the call's inputs and gives its outputs, one for one.
-_PLAIN_CALLS = frozenset(
-    {"jit", "pjit", "closed_call", "core_call", "checkpoint", "custom_jvp_call", "custom_vjp_call"}
-)
+_PLAIN_CALLS = CALL_PRIMITIVES
 
 
 def _held_through(handler: Any) -> Any:

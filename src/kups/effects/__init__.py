@@ -12,6 +12,8 @@ from ._equations import source_location as source_location
 from ._equations import to_current_mesh as to_current_mesh
 from ._equations import varying_axes as varying_axes
 from ._interpreter import Interpreter as Interpreter
+from ._matching import CALL_PRIMITIVES as CALL_PRIMITIVES
+from ._matching import call_body as call_body
 from ._matching import contains_subjaxprs as contains_subjaxprs
 from ._matching import equations_in as equations_in
 from ._matching import is_library_primitive as is_library_primitive
@@ -61,6 +63,7 @@ from .toolkit import stage_eagerly as stage_eagerly
 from .toolkit import track_position as track_position
 
 __all__ = [
+    "CALL_PRIMITIVES",
     "Dispatcher",
     "Event",
     "Handler",
@@ -73,6 +76,7 @@ __all__ = [
     "ShardLevel",
     "StaleTraceWarning",
     "Uninitialized",
+    "call_body",
     "check_policy",
     "contains_subjaxprs",
     "default_checkpoint_handler",

@@ -145,6 +145,59 @@ def sub_jaxprs(eqn: JaxprEqn) -> tuple[Jaxpr, ...]:
     )
 
 
+# The primitives that run one sub-program on their inputs, one for one, and give
+# its outputs as theirs.
+CALL_PRIMITIVES: frozenset[str] = frozenset(
+    {
+        "jit",
+        "closed_call",
+        "call",
+        "eval_jaxpr",  # what `closed_call` and `call` became in JAX 0.11
+        "remat2",  # `jax.checkpoint`'s (printed `checkpoint`)
+        "custom_jvp_call",
+        "custom_vjp_call",
+    }
+)
+"""Names of the primitives that call one sub-program on their inputs, one for
+one, and give its outputs as theirs: `jax.jit`'s, `closed_call` and `call`
+(`eval_jaxpr` from JAX 0.11), `jax.checkpoint`'s (named `remat2`, printed
+`checkpoint`) and the custom-derivative calls (`custom_jvp_call`,
+`custom_vjp_call`: their primal function). `call_body` gives the sub-program;
+the names are for registering a handler, or a wrapper of one, for each."""
+
+
+def call_body(eqn: JaxprEqn) -> Jaxpr | None:
+    """The sub-program of a call (see `CALL_PRIMITIVES`), as an open jaxpr whose
+    inputs are the equation's inputs and whose outputs are its outputs, one for
+    one; `None` for any other equation. What an output of the call holds is what
+    the same output of the body holds.
+
+    **Example:**
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    from kups.effects import CALL_PRIMITIVES, call_body
+
+    closed = jax.make_jaxpr(lambda x: jax.checkpoint(jnp.sin)(x) + 1.0)(1.0)
+    call, add = closed.jaxpr.eqns
+    assert call.primitive.name == "remat2" and call.primitive.name in CALL_PRIMITIVES
+    assert [e.primitive.name for e in call_body(call).eqns] == ["sin"]
+    assert call_body(add) is None
+    ```
+    """
+    if eqn.primitive.name not in CALL_PRIMITIVES:
+        return None
+    subs = sub_jaxprs(eqn)
+    if (
+        len(subs) == 1
+        and len(subs[0].invars) == len(eqn.invars)
+        and len(subs[0].outvars) == len(eqn.outvars)
+    ):
+        return subs[0]
+    return None
+
+
 Nested = tuple[tuple[JaxprEqn, tuple[JaxprEqn, ...]], ...]
 _EQUATIONS: weakref.WeakKeyDictionary[Jaxpr, dict[Any, Nested]] = weakref.WeakKeyDictionary()
 

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
-from kups.effects import source_line, varying_axes
+from kups.effects import CALL_PRIMITIVES, source_line, varying_axes
 
 from ._names import LazyLine, SowPath, Tag, path_of
 from ._reaped import Reaped, filled_with_init, init_of
@@ -204,9 +204,8 @@ def _fillable(aval: Any) -> bool:
     )
 
 
-# Control flow that runs its body once, as it is: a clobber sow inside gives its
-# value as it would directly. (`eval_jaxpr`, from JAX 0.11, is the call that
-# `grad`'s forward pass makes of a `jax.checkpoint` body.)
-_TRANSPARENT = frozenset(
-    {"pjit", "jit", "closed_call", "core_call", "call", "eval_jaxpr", "checkpoint", "remat2"}
-)
+# Calls that run their body once, as it is: a clobber sow inside gives its value as
+# it would directly (`eval_jaxpr`, from JAX 0.11, is the call that `grad`'s forward
+# pass makes of a `jax.checkpoint` body). Not the custom-derivative calls, whose
+# sows `reap` keeps to the primal function.
+_TRANSPARENT = CALL_PRIMITIVES - {"custom_jvp_call", "custom_vjp_call"}

@@ -9,7 +9,7 @@ from typing import Any
 
 from .. import _compat
 from .._body import TracedBody
-from .._matching import sub_jaxprs
+from .._matching import CALL_PRIMITIVES, sub_jaxprs
 
 
 def ctx_read_by_outputs(body: TracedBody) -> tuple[bool, ...]:
@@ -32,19 +32,7 @@ def ctx_read_by_outputs(body: TracedBody) -> tuple[bool, ...]:
 
 # Equations whose one sub-program takes their inputs and gives their outputs, in
 # order: what an output is computed from is read inside.
-_CALLS = frozenset(
-    {
-        "jit",
-        "pjit",
-        "closed_call",
-        "call",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "remat",
-        "checkpoint",
-        "shard_map",
-    }
-)
+_CALLS = CALL_PRIMITIVES | {"shard_map"}
 
 
 def _inputs_read(jaxpr: Any, used_outputs: Sequence[bool]) -> list[bool]:

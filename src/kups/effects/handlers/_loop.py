@@ -15,6 +15,7 @@ from jax.extend.core import JaxprEqn
 from .. import _compat
 from .._body import TracedBody, trace_body
 from .._context import CtxSpec, diff, spec_from_avals, split, uninitialized_paths
+from .._matching import call_body
 from .._source import where
 from .._types import Uninitialized
 
@@ -223,37 +224,31 @@ def _eqn_forwarding(eqn: JaxprEqn) -> list[int | None]:
     """For each output of `eqn`, the index of the input it equals, or `None`."""
     name, params = eqn.primitive.name, eqn.params
     unknown: list[int | None] = [None] * len(eqn.outvars)
-    if name in ("jit", "pjit", "remat2", "checkpoint", "closed_call", "core_call", "eval_jaxpr"):
-        sub = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
-    elif name in ("custom_jvp_call", "custom_vjp_call"):
-        sub = params["call_jaxpr"]
-    elif name == "cond":
+    sub = call_body(eqn)
+    if sub is not None:
+        return forwarded_inputs(sub)
+    if name == "cond":
         per_branch = [forwarded_inputs(branch) for branch in params["branches"]]
         return [
             # Input 0 of a cond is the branch index; operands follow it.
             None if f[0] is None or any(g != f[0] for g in f) else f[0] + 1
             for f in zip(*per_branch, strict=True)
         ]
-    elif name == "while":
+    if name == "while":
         num_body_consts = params["body_nconsts"]
         body = forwarded_inputs(params["body_jaxpr"])
         return [
             params["cond_nconsts"] + i if i == num_body_consts + j else None
             for j, i in enumerate(body)
         ]
-    elif name == "scan":
+    if name == "scan":
         num_consts, num_carry = _compat.scan_layout(params)
         body = forwarded_inputs(params["jaxpr"])
         return [
             num_consts + j if j < num_carry and body[j] == num_consts + j else None
             for j in range(len(eqn.outvars))
         ]
-    else:
-        return unknown
-    sub_jaxpr, _ = _compat.open_jaxpr(sub)
-    if len(sub_jaxpr.invars) != len(eqn.invars) or len(sub_jaxpr.outvars) != len(eqn.outvars):
-        return unknown
-    return forwarded_inputs(sub_jaxpr)
+    return unknown
 
 
 def unused_dropped(jaxpr: Any, num: int) -> tuple[Any, list[bool]]:
