@@ -472,6 +472,27 @@ def test_a_context_of_the_wrong_kind_names_the_handler_the_equation_and_the_cont
     assert "is not a mapping" in str(original)
 
 
+def capped_count(interpreter, ctx, eqn, invals):
+    LINES["capped_handler"] = _next_line()
+    if ctx < 2:  # Python's `if` on a tracer: the body is being traced
+        ctx = ctx + 1
+    return HandlerResult(ctx, [jnp.sin(invals[0])])
+
+
+@pytest.mark.parametrize("program", ["scan", "jit"])
+def test_a_tracer_error_in_a_handler_gets_the_handler_and_the_equation_as_a_note(program):
+    # JAX's concretization errors are made from a tracer, not a message: the
+    # error stays JAX's own, and kups' words are a note on it.
+    fn = user_sin_in_scan if program == "scan" else jax.jit(user_sin)
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        reinterpret(fn, with_sin_handler(capped_count))(0, X)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "kups: raised at" in notes and f"{at('capped_handler')} (capped_count)" in notes
+    assert "in the handler capped_count for the primitive 'sin'" in notes
+    line = at("scan_sin" if program == "scan" else "sin")
+    assert f"{line}:" in notes and "jnp.where or lax.cond" in notes
+
+
 def test_a_dict_context_works_with_the_same_handler():
     out, ctx = reinterpret(user_sin, with_sin_handler(count_in_dict))({"sin": 0}, X)
     assert ctx == {"sin": 1}

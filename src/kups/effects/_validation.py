@@ -33,23 +33,38 @@ def in_handler(err: Exception, handler: Any, eqn: JaxprEqn, ctx: Any) -> Excepti
     it calls such as `reduce_ctx`) for `eqn`, as an exception of the same type
     whose message adds which handler, which equation and what the context was
     (`err` is its cause); `None` for an error of kups' own, which already says
-    where, or one that was given this context already."""
+    where, or one that was given this context already. An exception type that
+    is not made from a message (JAX's `TracerBoolConversionError` takes the
+    tracer) gets the same words as a note, and `None` is returned: the caller
+    raises `err` itself."""
     raised_at = None if getattr(err, "_kups_context", False) else _user_line(err)
     if raised_at is None:
         return None
     hooks = ""
     if isinstance(handler, functools.partial) and handler.keywords:
         hooks = f" (with {', '.join(f'{k}=' for k in handler.keywords)})"
+    if isinstance(err, jax.errors.ConcretizationTypeError):
+        advice = (
+            "Inside a loop, a cond or a jit call (and anywhere under a transformation) a "
+            "handler runs while that body is traced: the context's arrays and the values "
+            "are tracers there, which Python's `if`, `bool()` and `int()` cannot read. "
+            "Compute on them with jnp.where or lax.cond instead."
+        )
+    else:
+        advice = (
+            "A handler receives the context as it was given to the interpreted function "
+            "(or as the previous handler returned it): check that it has the structure "
+            "your handler and its hooks expect."
+        )
     message = (
         f"{err}\n\nkups: raised at {raised_at}, in the handler {handler_name(handler)}"
-        f"{hooks} for the {where(eqn)}, called with the context {_describe(ctx)}. A "
-        f"handler receives the context as it was given to the interpreted function (or "
-        f"as the previous handler returned it): check that it has the structure your "
-        f"handler and its hooks expect."
+        f"{hooks} for the {where(eqn)}, called with the context {_describe(ctx)}. {advice}"
     )
     try:
         wrapped = type(err)(message)
     except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        err.add_note(message[len(str(err)) :].lstrip("\n"))
+        err._kups_context = True  # pyright: ignore[reportAttributeAccessIssue]
         return None
     wrapped._kups_context = True  # pyright: ignore[reportAttributeAccessIssue]
     return wrapped
