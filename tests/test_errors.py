@@ -1167,6 +1167,8 @@ def test_varying_scalar_suggestions_work(data_mesh, others):
     ctx = {"loss": jnp.float32(0), **({"steps": jnp.int32(0), "name": "run"} if others else {})}
     message, options = replication_error(data_mesh, ctx)
     assert "a scalar has no dimension to shard" in message and "shape (4,)" in message
+    # A psum also sums what the leaf entered with: the message says when it is right.
+    assert "once per shard: right when it enters as zero" in message
     assert [name for name, _ in options] == ["reduce_ctx", "reduce_ctx", "declare_ctx_out_specs"]
     (_, reduce), *keep = options
     out = run_with(data_mesh, add_loss, ctx, reduce_ctx=reduce)

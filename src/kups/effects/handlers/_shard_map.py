@@ -491,6 +491,9 @@ def _replication_fixes(
         )
     return (
         f"Reduce it across the shards in reduce_ctx, for example with "
-        f"`reduce_ctx=lambda ctx: {reduce}`; {keep}. Pass these options with "
-        f"functools.partial(default_shard_map_handler, ...)."
+        f"`reduce_ctx=lambda ctx: {reduce}` (this sums the value the leaf entered the "
+        f"body with too, once per shard: right when it enters as zero; for a leaf that "
+        f"may enter with a value, see 'Reduce it' in docs/concepts/shard-map.md); "
+        f"{keep}. Pass these options with functools.partial(default_shard_map_handler, "
+        f"...)."
     )
