@@ -938,6 +938,36 @@ def test_reap_shard_map_on_mesh8_with_psum(mesh8):
     assert_tree_close(sown, {"index": np.arange(8, dtype=np.int32), "total": np.full(8, 28.0)})
 
 
+@pytest.mark.parametrize("mode", ["strict", "clobber", "append"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_reap_of_grad_of_a_checkpointed_sow_in_shard_map_is_the_forward_value(mesh8, mode, jit):
+    # The backward shard_map runs the checkpointed function again, sow included;
+    # that sow gives no value, so the forward one is not given a second shard axis.
+    def loss(w, x):
+        def body(w, block):
+            @jax.checkpoint
+            def layer(h):
+                h = jnp.tanh(h * w)
+                if mode == "append":
+                    lax.scan(lambda c, r: (c, sow(r, tag="t", name="h", mode=mode)), 0.0, h)
+                else:
+                    sow(jnp.sum(h), tag="t", name="h", mode=mode)
+                return h
+
+            return lax.psum(jnp.sum(layer(block) ** 2), "i")
+
+        return jax.shard_map(body, mesh=mesh8, in_specs=(P(), P("i")), out_specs=P())(w, x)
+
+    wrap = jax.jit if jit else (lambda g: g)
+    w, x = jnp.float32(0.5), jnp.linspace(-2.0, 2.0, 16)
+    _, forward = wrap(reap(loss, tag="t"))(w, x)
+    assert forward["h"].shape == ((8, 2) if mode == "append" else (8,))
+    grads, sown = wrap(reap(jax.grad(loss), tag="t"))(w, x)
+    assert_tree_close(sown, forward)
+    # Under jit: JAX 0.10.0 does not run a checkpoint's grad inside shard_map eagerly.
+    assert_tree_close(grads, jax.jit(jax.grad(loss))(w, x))
+
+
 def test_reap_shard_map_values_sown_before_stay_and_inside_gain_the_shard_axis(mesh42):
     def f(x):
         sow(x.sum(), tag="t", name="outside")

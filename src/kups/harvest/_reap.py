@@ -41,6 +41,7 @@ from ._selection import (
     Selection,
     pass_through,
     selective_interpreter,
+    sows_around,
     sows_in,
     specs_like,
 )
@@ -116,6 +117,24 @@ class Reaper(Seeding):
 
     def sows(self, jaxpr: Jaxpr | ClosedJaxpr) -> list[JaxprEqn]:
         return [eqn for eqn in sows_in(jaxpr) if self.selection.selects(eqn)]
+
+    def sown_inside(self, body: Jaxpr | ClosedJaxpr) -> set[SowPath]:
+        """The names the sows of `body` give a value: not those of a backward pass
+        that runs the forward one again (a checkpointed function's), which `sow`
+        leaves with the forward pass's value."""
+        sows = self.sows(body)
+        around = sows_around(body) if sows else {}
+        inside = set()
+        for sow_eqn in sows:
+            path = path_of(sow_eqn)
+            again = path in self.forward and (
+                self.backward > 0
+                or _transposed(sow_eqn)
+                or any(_transposed(o) for place in around[id(sow_eqn)] for o in place)
+            )
+            if not again:
+                inside.add(path)
+        return inside
 
     def label(self, path: SowPath) -> str:
         return describe(self.tag, path)
@@ -364,7 +383,7 @@ class Reaper(Seeding):
     ) -> HandlerResult:
         with _Backward(self, eqn):
             _, manual_axes = shard_map_axes(eqn)
-            inside = {path_of(e) for e in self.sows(eqn.params["jaxpr"])}
+            inside = self.sown_inside(eqn.params["jaxpr"])
 
             def per_shard(ctx: Reaped) -> Reaped:
                 # Each shard's value becomes its entry along a new leading axis.
