@@ -1,5 +1,6 @@
 """`stage_eagerly`: effects called without jit run as one compiled program."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +100,27 @@ def test_a_wrapper_that_runs_only_eagerly_falls_back_to_op_by_op():
     np.testing.assert_array_equal(staged(jnp.ones(2)), jnp.full(2, 2.0))
     assert len(calls) == 2  # tried compiled, then run as it is
     assert staged.__name__ == "wrapper" and not hasattr(staged, "__wrapped__")
+
+
+@pytest.mark.parametrize("effect", ["stage_eagerly", "checked", "count_primitives"])
+def test_a_program_that_fails_while_it_runs_runs_once(effect):
+    # An error the compiled program raises is raised as it is: falling back to
+    # op by op would run its callbacks (a log, a write) a second time.
+    calls = []
+
+    def f(x):
+        jax.debug.callback(lambda v: calls.append(float(v)), x)
+        return eqx.error_if(x, x > 1.0, "x too big")
+
+    run = {
+        "stage_eagerly": stage_eagerly(f),
+        "checked": checked(f),
+        "count_primitives": count_primitives(f),
+    }[effect]
+    with pytest.raises(RuntimeError, match="x too big"):
+        run(jnp.float32(2.0))
+    jax.effects_barrier()
+    assert calls == [2.0]
 
 
 def test_finish_shapes_the_results_of_a_compiled_call():

@@ -27,9 +27,12 @@ def stage_eagerly(wrapper: F, *, finish: Callable[[Any], Any] | None = None) -> 
     first call and reused by the next ones with the same shapes, dtypes and
     static arguments. Under `jit`, `vmap`, `grad` or inside a `shard_map` body it
     calls `wrapper` as it is, and so it does when a static argument cannot be
-    hashed (as eager JAX would run it), or when the compiled call fails (a
-    program that runs eagerly but not under `jit`, such as one whose arrays are
-    sharded over a mesh of Explicit axes that `jax.set_mesh` did not set).
+    hashed (as eager JAX would run it), or when tracing the compiled call fails
+    (a program that runs eagerly but not under `jit`, such as one whose arrays
+    are sharded over a mesh of Explicit axes that `jax.set_mesh` did not set).
+    An error the compiled program raises while it runs (a `RuntimeError`: an
+    `equinox.error_if`, a callback that raised) is raised as it is: the program
+    is not run a second time.
 
     The results are those of `jax.jit`: a compiled program may round the last
     bits differently from the same operations run one by one.
@@ -74,6 +77,10 @@ def stage_eagerly(wrapper: F, *, finish: Callable[[Any], Any] | None = None) -> 
             staged.append(eqx.filter_jit(wrapper))
         try:
             result = staged[0](*args, **kwargs)
+        except RuntimeError:
+            # The compiled program ran and failed (an `equinox.error_if`, a callback
+            # that raised): running it again op by op would repeat what it did.
+            raise
         except Exception:  # noqa: BLE001  (rerun op by op: it raises what eager raises)
             return wrapper(*args, **kwargs)
         return result if finish is None else finish(result)
