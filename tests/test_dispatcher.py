@@ -267,7 +267,8 @@ CONTROL_FLOW = ["jit", "scan", "while", "cond", "remat2", "custom_jvp_call", "cu
 
 def test_default_dispatcher_registers_control_flow():
     dispatcher = default_dispatcher()
-    for name in [*CONTROL_FLOW, "closed_call", "shard_map", "custom_linear_solve"]:
+    closed_call = jax.extend.core.primitives.closed_call_p.name  # eval_jaxpr from JAX 0.11
+    for name in [*CONTROL_FLOW, closed_call, "shard_map", "custom_linear_solve"]:
         assert dispatcher.is_registered(name), name
     assert dispatcher.is_registered(while_p)
     assert not dispatcher.is_registered("sin")
@@ -399,6 +400,34 @@ def test_names_are_checked_but_primitives_are_not():
     # Only registration checks: asking about or removing a name never raises.
     assert not Dispatcher().is_registered("cosine")
     assert Dispatcher().handler_for("cosine") is None
+
+
+def test_a_name_no_equation_of_this_jax_has_is_refused_with_the_name_it_has():
+    # Each of these was accepted and never ran: equations of jax.jit are named
+    # `jit`, of jax.checkpoint `remat2`, and from JAX 0.11 of closed_call `eval_jaxpr`.
+    renamed = {"pjit": "jit", "checkpoint": "remat2", "custom_vjp_call_jaxpr": "custom_vjp_call"}
+    if jax.__version_info__ >= (0, 11):
+        renamed.update(closed_call="eval_jaxpr", call="eval_jaxpr")
+    for old, new in renamed.items():
+        with pytest.raises(ValueError, match=f"Register it under '{new}'"):
+            default_dispatcher().register_handler(old, count_handler)
+    # The names that equations have are registered, and their handlers run.
+    names = {
+        jax.jit(jnp.sin): "jit",
+        jax.checkpoint(jnp.sin): "remat2",
+    }
+    for fn, name in names.items():
+        (eqn,) = jax.make_jaxpr(fn)(X).jaxpr.eqns
+        assert eqn.primitive.name == name
+        seen = []
+
+        def spy(interpreter, ctx, eqn, invals, name=name, seen=seen):
+            seen.append(eqn.primitive.name)
+            return default_dispatcher().handler_for(name)(interpreter, ctx, eqn, invals)
+
+        dispatcher = default_dispatcher().register_handler(name, spy)
+        reinterpret(fn, Interpreter(dispatcher))(0, X)
+        assert seen == [name]
 
 
 def test_copy_keeps_handlers_and_is_not_marked_as_traced():

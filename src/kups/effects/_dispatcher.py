@@ -12,6 +12,7 @@ import jax.extend.core.primitives
 import jax.lax
 from jax.extend.core import JaxprEqn, Primitive
 
+from . import _compat
 from ._registry import DEFAULT_HANDLERS
 
 if TYPE_CHECKING:
@@ -112,6 +113,20 @@ def _suggestions(name: str) -> list[str]:
 
 def _check_primitive_name(name: str) -> None:
     """Raises a `ValueError` if no primitive is named `name`."""
+    if name == "checkpoint":
+        raise ValueError(
+            "No primitive is named 'checkpoint': jaxprs print jax.checkpoint's equations "
+            "as `checkpoint`, but its primitive is named 'remat2', so a handler registered "
+            "under 'checkpoint' would never run. Register it under 'remat2'."
+        )
+    current = _compat.former_primitive_names().get(name)
+    if current is not None:
+        raise ValueError(
+            f"No primitive is named {name!r} in JAX {jax.__version__}: the primitive "
+            f"older releases named so is named {current!r} here, so a handler registered "
+            f"under {name!r} would never run. Register it under {current!r} (print "
+            f"jax.make_jaxpr(f)(*args) to see the names equations have)."
+        )
     if name in _known_primitive_names():
         return
     _add_live_primitive_names()

@@ -25,7 +25,7 @@ from ._types import InterpreterPolicy
 from ._untouched import Handled, bind_run, handled_names, untouched
 from ._validation import check_arguments, check_static_leaves, checked_result, in_handler
 
-_CUSTOM_VJP_CALLS = ("custom_vjp_call", "custom_vjp_call_jaxpr")
+_CUSTOM_VJP_CALLS = ("custom_vjp_call",)
 
 is_literal = _compat.is_literal
 user_context = _compat.user_context

@@ -17,6 +17,7 @@ from ._core import aval_match_key as aval_match_key
 from ._core import aval_of as aval_of
 from ._core import bind_equation as bind_equation
 from ._core import current_name_stack as current_name_stack
+from ._core import former_primitive_names as former_primitive_names
 from ._core import in_eager_shard_map as in_eager_shard_map
 from ._core import is_eager as is_eager
 from ._core import is_literal as is_literal

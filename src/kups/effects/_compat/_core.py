@@ -290,3 +290,16 @@ def typematch(a: Any, b: Any) -> bool:
     """JAX's type check between avals: it compares shardings only when both carry
     a mesh and one of them has an explicit axis."""
     return _core.typematch(a, b)
+
+
+def former_primitive_names() -> dict[str, str]:
+    """Names that older JAX releases gave a primitive, and the name this release
+    gives it: `closed_call` and `call` became `eval_jaxpr` in JAX 0.11; `pjit`
+    and `custom_vjp_call_jaxpr` were renamed before 0.10."""
+    from jax.extend.core import primitives
+
+    former = {"pjit": "jit", "custom_vjp_call_jaxpr": "custom_vjp_call"}
+    for name, primitive in (("call", primitives.call_p), ("closed_call", primitives.closed_call_p)):
+        if primitive.name != name:
+            former[name] = primitive.name
+    return former

@@ -14,7 +14,7 @@ from .._types import HandlerResult
 from .._validation import check_params
 
 
-@default_handler_for("remat2", "checkpoint")
+@default_handler_for("remat2")
 def default_checkpoint_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:

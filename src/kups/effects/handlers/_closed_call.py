@@ -13,7 +13,7 @@ from .._validation import check_params
 
 
 # `eval_jaxpr`: a call of a jaxpr, from JAX 0.11.
-@default_handler_for("closed_call", "eval_jaxpr", "core_call", "call")
+@default_handler_for("eval_jaxpr", "closed_call", "call")
 def default_closed_call_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:

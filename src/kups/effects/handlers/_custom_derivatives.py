@@ -377,7 +377,7 @@ def _as_cotangent(ct: Any, aval: Any) -> Any:
     return ct
 
 
-@default_handler_for("custom_vjp_call", "custom_vjp_call_jaxpr")
+@default_handler_for("custom_vjp_call")
 def default_custom_vjp_handler(
     interpreter: Any,
     ctx: Any,

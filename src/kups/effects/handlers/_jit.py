@@ -16,7 +16,7 @@ from ._loop import trim_call
 
 
 # `pjit`: the name of `jit` before JAX 0.7.
-@default_handler_for("jit", "pjit")
+@default_handler_for("jit")
 def default_jit_handler(
     interpreter: Any, ctx: Any, eqn: JaxprEqn, invals: list[Any]
 ) -> HandlerResult:
