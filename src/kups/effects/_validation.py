@@ -3,6 +3,7 @@ parameters of the control-flow equations handlers re-bind."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -43,7 +44,8 @@ def in_handler(err: Exception, handler: Any, eqn: JaxprEqn, ctx: Any) -> Excepti
     hooks = ""
     if isinstance(handler, functools.partial) and handler.keywords:
         hooks = f" (with {', '.join(f'{k}=' for k in handler.keywords)})"
-    if isinstance(err, jax.errors.ConcretizationTypeError):
+    tracer_error = isinstance(err, jax.errors.ConcretizationTypeError)
+    if tracer_error:
         advice = (
             "Inside a loop, a cond or a jit call (and anywhere under a transformation) a "
             "handler runs while that body is traced: the context's arrays and the values "
@@ -60,9 +62,13 @@ def in_handler(err: Exception, handler: Any, eqn: JaxprEqn, ctx: Any) -> Excepti
         f"{err}\n\nkups: raised at {raised_at}, in the handler {handler_name(handler)}"
         f"{hooks} for the {where(eqn)}, called with the context {_describe(ctx)}. {advice}"
     )
-    try:
-        wrapped = type(err)(message)
-    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+    error_type: type[Exception] = type(err)
+    wrapped = None
+    if not tracer_error:  # those are made from the tracer
+        # A type that takes other arguments than a message gets a note instead.
+        with contextlib.suppress(Exception):
+            wrapped = error_type(message)
+    if wrapped is None:
         err.add_note(message[len(str(err)) :].lstrip("\n"))
         err._kups_context = True  # pyright: ignore[reportAttributeAccessIssue]
         return None
