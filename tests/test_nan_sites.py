@@ -199,6 +199,73 @@ def test_shard_map_counts_every_shard(mesh42):
     ]
 
 
+_PERM = [(k, (k + 1) % 8) for k in range(8)]
+_MOVING = {
+    "ppermute": lambda b: lax.ppermute(b, "i", _PERM),
+    "all_gather": lambda b: lax.all_gather(b, "i", tiled=True)[:2],
+    "all_to_all": lambda b: lax.all_to_all(jnp.tile(b, (4, 1)), "i", 0, 0, tiled=True)[:2],
+    "tile": lambda b: jnp.tile(b, (2, 1)),
+}
+
+
+@pytest.mark.parametrize("move", sorted(_MOVING))
+def test_a_collective_that_moves_a_nan_between_shards_makes_none(mesh8, move):
+    # The argument's NaN (shard 5), moved to other shards: no equation made it.
+    # Made by sqrt on shard 5 and moved: sqrt only.
+    from kups.checks import checked, nan_checks
+    from kups.debug import find_nans
+
+    def given(x):
+        return jax.shard_map(_MOVING[move], mesh=mesh8, in_specs=P("i"), out_specs=P("i"))(x)
+
+    def made(x):
+        def body(b):
+            return _MOVING[move](jnp.sqrt(b))  # sqrt-on-one-shard
+
+        return jax.shard_map(body, mesh=mesh8, in_specs=P("i"), out_specs=P("i"))(x)
+
+    x = jnp.arange(1.0, 33.0).reshape(16, 2)
+    assert sites_of(given, x.at[10, 0].set(jnp.nan)) == []
+    assert not jax.jit(find_nans(given))(x.at[10, 0].set(jnp.nan))[1].found
+    assert not jax.jit(find_nans(given, report="first"))(x.at[10, 0].set(jnp.nan))[1].found
+    assert jax.jit(checked(given, errors=nan_checks))(x.at[10, 0].set(jnp.nan))[1].get() is None
+    assert sites_of(made, x.at[10, 0].set(-1.0)) == [
+        site("sqrt", "sqrt-on-one-shard", shard={"i": 5})
+    ]
+
+
+@pytest.mark.parametrize("reduce", ["psum", "pmean", "psum_scatter"])
+def test_a_collective_sum_of_another_shards_nan_makes_none(mesh8, reduce):
+    # sqrt makes a NaN on shard 5; the sum hands it to every shard, and did not
+    # make it there. checked's "from inputs without NaN" reads every shard's input.
+    from kups.checks import checked, nan_checks
+
+    op = {
+        "psum": lambda v: lax.psum(v, "i"),
+        "pmean": lambda v: lax.pmean(v, "i"),
+        "psum_scatter": lambda v: jnp.tile(
+            lax.psum_scatter(jnp.tile(v, (4, 1)), "i", scatter_dimension=0, tiled=True), (2, 1)
+        )[:2],
+    }[reduce]
+
+    def made(x):
+        def body(b):
+            return op(jnp.sqrt(b))  # sqrt-before-the-sum
+
+        return jax.shard_map(body, mesh=mesh8, in_specs=P("i"), out_specs=P("i"))(x)
+
+    def given(x):
+        return jax.shard_map(op, mesh=mesh8, in_specs=P("i"), out_specs=P("i"))(x)
+
+    x = jnp.arange(1.0, 33.0).reshape(16, 2)
+    assert sites_of(made, x.at[10, 0].set(-1.0)) == [
+        site("sqrt", "sqrt-before-the-sum", shard={"i": 5})
+    ]
+    assert jax.jit(checked(given, errors=nan_checks))(x.at[10, 0].set(jnp.nan))[1].get() is None
+    error = jax.jit(checked(made, errors=nan_checks))(x.at[10, 0].set(-1.0))[1]
+    assert error.get().startswith("'sqrt' produced a NaN")
+
+
 @pytest.mark.parametrize("program", ["no-sites", "sites"])
 def test_eager_shard_map_without_loops(mesh8, program):
     # Called without jit, a shard_map body runs op by op, each op compiled on

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import JaxprEqn
 
-from kups.effects import source_of
+from kups.effects import reduce_shards, source_of
 
 from ._check import _FORMATTER, _scalar
 from ._first import first_true, last_axis, unravel, value_at
@@ -94,9 +94,20 @@ _MOVES_ONLY = frozenset(
         "select_n",
         "slice",
         "squeeze",
+        "tile",
         "transpose",
+        # Collectives that move or pick values across shards.
+        "ppermute",
+        "pbroadcast",
+        "all_gather",
+        "all_gather_invariant",
+        "all_to_all",
+        "pmax",
+        "pmin",
     }
 )
+# Collectives that sum over shards: a shard's output may hold another shard's NaN.
+_SUMS_ACROSS_SHARDS = frozenset({"psum", "psum_invariant", "reduce_scatter", "psum_scatter"})
 
 
 _UNKNOWN = "unknown"
@@ -239,7 +250,13 @@ def _new_nan(
         flags = [jnp.any(jnp.isnan(v)) for v in map(jnp.asarray, values) if _is_inexact(v.dtype)]
         return functools.reduce(jnp.logical_or, flags, jnp.zeros((), jnp.bool_))
 
-    return jnp.logical_and(any_nan(outvals), jnp.logical_not(any_nan(invals))), []
+    given = any_nan(invals)
+    if eqn.primitive.name in _SUMS_ACROSS_SHARDS:
+        axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+        axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+        named = tuple(a for a in axes if not isinstance(a, int))  # not positional axes
+        given = reduce_shards(given.astype(jnp.int32), named, op="max") > 0
+    return jnp.logical_and(any_nan(outvals), jnp.logical_not(given)), []
 
 
 _CONDITIONS: dict[

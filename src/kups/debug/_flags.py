@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import JaxprEqn
 
-from kups.effects import CALL_PRIMITIVES, HandlerResult, to_current_mesh
+from kups.effects import CALL_PRIMITIVES, HandlerResult, reduce_shards, to_current_mesh
 
 from ._constants import _constant_equations, _is_literal
 from ._sites import _is_float, scan_layout, widening_cast
-from ._taint_tables import _MOVES
+from ._taint_tables import _COLLECTIVE_MOVES, _COLLECTIVES, _MOVES
 
 
 class _Check(NamedTuple):
@@ -167,6 +167,7 @@ _MOVES_ELEMENTS = frozenset(
     {
         "reshape",
         "broadcast_in_dim",
+        "tile",
         "transpose",
         "squeeze",
         "expand_dims",
@@ -204,12 +205,25 @@ def _passes_through(interpreter: Any, state: Any, eqn: JaxprEqn, invals: list[An
 
 
 def _moves_data(state: Any, eqn: JaxprEqn) -> bool:
-    """For `report="first"`: whether `eqn` only moves values that are not
-    constants (or casts them to a float dtype that holds them). It is not
+    """Whether `eqn` only moves values that are not constants (or casts them to a
+    float dtype that holds them), within the shard or between shards. It is not
     checked: a NaN/Inf that an argument held is first seen at the equation that
     computes with it, and one made in the program was found where it was made."""
-    moves = eqn.primitive.name in _MOVES or widening_cast(eqn)
+    name = eqn.primitive.name
+    moves = name in _MOVES or name in _COLLECTIVE_MOVES or widening_cast(eqn)
     return moves and not _reads_constants(state, eqn)
+
+
+def _across_collective(eqn: JaxprEqn, flags: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`flags` (whether each input held a NaN/Inf, on this shard) of a collective
+    that computes over shards (`psum`, `pmax`), held by any shard of its axes: its
+    output may hold the NaN/Inf of another shard's input."""
+    if eqn.primitive.name not in _COLLECTIVES:
+        return flags
+    axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+    axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+    axes = tuple(a for a in axes if not isinstance(a, int))  # not positional (vmap) axes
+    return tuple(reduce_shards(jnp.asarray(flag, jnp.int32), axes, op="max") > 0 for flag in flags)
 
 
 def _is_constant_var(state: Any, var: Any) -> bool:

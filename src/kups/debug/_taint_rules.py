@@ -51,6 +51,7 @@ from ._taint_pieces import (
 )
 from ._taint_rows import broadcast_rows, origin_of_rows, row_write_at_run_time, rows_made
 from ._taint_tables import (
+    _COLLECTIVE_MOVES,
     _COLLECTIVES,
     _ELEMENTWISE,
     _FILTERS,
@@ -271,6 +272,11 @@ def _propagate(
             # Moving what an argument may hold is not computing with it: the
             # equation that does is where its NaN/Inf is first seen.
             moved = _earliest(traced) if traced else None
+            out_origins.append(_EXTERNAL if moved is None else _Origin(moved.w, moved.info, True))
+            continue
+        if collective and name in _COLLECTIVE_MOVES and external and not constant:
+            # The same, between shards: each shard's output may hold any shard's.
+            moved = _across_shards(state, _earliest(traced), eqn.params) if traced else None
             out_origins.append(_EXTERNAL if moved is None else _Origin(moved.w, moved.info, True))
             continue
         unknown = external or constant

@@ -9,6 +9,7 @@ _MOVES = frozenset(
     {
         "reshape",
         "broadcast_in_dim",
+        "tile",
         "transpose",
         "squeeze",
         "expand_dims",
@@ -83,6 +84,13 @@ _COLLECTIVES = frozenset(
         "all_to_all",
         "reduce_scatter",
     }
+)
+
+
+# Collectives that only move values between shards: a NaN/Inf of an argument
+# they pass on is first seen at the equation that computes with it.
+_COLLECTIVE_MOVES = frozenset(
+    {"ppermute", "pbroadcast", "all_gather", "all_gather_invariant", "all_to_all"}
 )
 
 

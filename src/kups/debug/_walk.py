@@ -45,6 +45,7 @@ from ._constants import (
 )
 from ._flags import (
     _PLAIN_CALLS,
+    _across_collective,
     _Carried,
     _Check,
     _flags,
@@ -290,13 +291,15 @@ def _check_equation(
     made_only = interpreter.recorder.made_only
     if made_only and interpreter.held and _passes_through(interpreter, state, eqn, invals):
         return HandlerResult(state, outvals)
-    if not made_only and _moves_data(state, eqn):
+    if _moves_data(state, eqn):
         return HandlerResult(state, outvals)
     site = sites.add(eqn, state)
     flags, held = _flags(floats, kinds, exact=made_only, either=made_only)
     inherited: tuple[Any, ...] = ()
     if made_only:
         inherited = _inherited(interpreter, state, eqn, invals, held, kinds)
+        if state.scope.manual_axes:
+            inherited = _across_collective(eqn, inherited)
     if interpreter.recorder.batched:
         # The recorder masks the flags of a whole run at once.
         interpreter.pending[-1].append(_Check(site, flags, inherited))
