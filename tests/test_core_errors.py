@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from kups.effects import (
     Dispatcher,
@@ -491,6 +492,43 @@ def test_a_tracer_error_in_a_handler_gets_the_handler_and_the_equation_as_a_note
     assert "in the handler capped_count for the primitive 'sin'" in notes
     line = at("scan_sin" if program == "scan" else "sin")
     assert f"{line}:" in notes and "jnp.where or lax.cond" in notes
+
+
+_TAG = define_effect("kups_test_core_errors_tag")
+
+
+@pytest.mark.parametrize("cast", [False, True])
+def test_a_handler_that_returns_a_replicated_value_for_a_varying_output_is_stopped(cast):
+    # Shape and dtype right, but the same on every shard where the equation's
+    # output differs between shards: JAX would fail later at the psum, naming
+    # neither the handler nor the equation.
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def replace(interpreter, ctx, eqn, invals):
+        value = jnp.broadcast_to(ctx, invals[0].shape).astype(invals[0].dtype)
+        return HandlerResult(ctx, [lax.pcast(value, ("x",), to="varying") if cast else value])
+
+    def program(x):
+        def per_shard(b):
+            LINES["tagged"] = _next_line()
+            (h,) = _TAG.bind(jnp.tanh(b))
+            return lax.psum(jnp.sum(h), "x")
+
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=P("x"), out_specs=P())(x)
+
+    wrapped = jax.jit(
+        reinterpret(program, Interpreter(default_dispatcher().register_handler(_TAG, replace)))
+    )
+    if cast:
+        out, _ = wrapped(jnp.float32(0.25), jnp.arange(16.0))
+        assert float(out) == 4.0
+        return
+    with pytest.raises(ValueError) as info:
+        wrapped(jnp.float32(0.25), jnp.arange(16.0))
+    message = str(info.value)
+    assert "<locals>.replace for primitive 'kups_test_core_errors_tag'" in message
+    assert f"{at('tagged')}:" in message and "{V:x}" in message
+    assert "jax.lax.pcast(value, ('x',), to='varying')" in message
 
 
 def test_a_dict_context_works_with_the_same_handler():

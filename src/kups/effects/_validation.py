@@ -229,3 +229,13 @@ def _check_outvals(handler: Any, eqn: JaxprEqn, outvals: Any) -> None:
                 f"type {aval.str_short()}; the equation's output {i} is "
                 f"{want.str_short()}. A handler must keep every output's shape and dtype."
             )
+        missing = _compat.varying_axes(want) - _compat.varying_axes(aval)
+        if missing and isinstance(val, _compat.Tracer):
+            axes = tuple(sorted(missing, key=str))
+            raise ValueError(
+                f"The handler {handler_name(handler)} for {where(eqn)} returned output {i} of "
+                f"type {aval.str_short()}, the same on every shard of {axes}; the equation's "
+                f"output {i} is {want.str_short()}, which differs between them. JAX would "
+                f"fail later, at the collective that reads it. Cast it to vary with "
+                f"jax.lax.pcast(value, {axes!r}, to='varying') before returning it."
+            )
