@@ -18,6 +18,7 @@ from kups.effects import (
     HandlerResult,
     Interpreter,
     default_dispatcher,
+    default_primitive_handler,
     define_effect,
     equations_in,
     reinterpret,
@@ -176,6 +177,36 @@ def test_outside_loops_iteration_is_empty_and_nothing_is_none():
 
 def _mesh(axis_type=AxisType.Explicit):
     return jax.make_mesh((4, 2), ("x", "y"), axis_types=(axis_type,) * 2)
+
+
+@pytest.mark.parametrize("into", ["sharded", "replicated"])
+def test_track_position_fills_in_the_position_of_a_context_spec_given_by_leaf(into):
+    # The natural spec, `P()` for the whole Position, is given to each of its
+    # leaves, on the way in and on the way out of the shard_map.
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+
+    def program(x):
+        return jax.shard_map(jnp.sin, mesh=mesh, in_specs=P("x"), out_specs=P("x"))(x)
+
+    def record(interpreter, ctx, eqn, invals):
+        outvals = default_primitive_handler(interpreter, ctx, eqn, invals).outvals
+        return HandlerResult({**ctx, "s": ctx["s"] + jnp.sum(invals[0])}, outvals)
+
+    dispatcher = default_dispatcher().register_handler("sin", record)
+    by_leaf = {"position": P(), "s": P("x")}
+    if into == "sharded":  # one entry per shard, in and out
+        options = {"declare_ctx_in_specs": lambda ctx: by_leaf}
+        start = jnp.zeros(8)
+    else:  # a scalar that leaves with one entry per shard
+        options = {"reduce_ctx": lambda ctx: {**ctx, "s": ctx["s"][None]}}
+        start = jnp.float32(0)
+    options["declare_ctx_out_specs"] = lambda ctx: by_leaf
+    tracked = track_position(dispatcher.handlers["shard_map"])
+    dispatcher.register_handler("shard_map", functools.partial(tracked, **options))
+    _, ctx = jax.jit(reinterpret(program, Interpreter(dispatcher)))(
+        {"position": Position(), "s": start}, jnp.arange(8.0)
+    )
+    np.testing.assert_array_equal(ctx["s"], np.arange(8.0))
 
 
 def test_first_in_program_order_beats_first_shard():

@@ -208,14 +208,35 @@ def _advance(field: str, step: int, updater: Callable[[Any, Any], Any] | None) -
     return update
 
 
+def _position_specs(field: str, tree: Any, spec: Any) -> Any:
+    """`spec` (a context's specs, or one for all its leaves) as a tree whose
+    `Position` is one spec per leaf: one `PartitionSpec` given for the whole
+    position is given to each of its leaves."""
+    if isinstance(spec, P):
+        spec = jax.tree.map(lambda _: spec, tree)
+    position = _get(spec, field)
+    if isinstance(position, P):
+        spec = _put(spec, field, jax.tree.map(lambda _: position, _get(tree, field)))
+    return spec
+
+
 @functools.lru_cache(maxsize=512)
 def _in_specs(field: str, manual: tuple[Hashable, ...], declare: Any) -> Any:
     def specs(tree: Any) -> Any:
-        spec = jax.tree.map(lambda _: P(), tree) if declare is None else declare(tree)
-        if isinstance(spec, P):
-            spec = jax.tree.map(lambda _: spec, tree)
+        spec = _position_specs(field, tree, P() if declare is None else declare(tree))
         position = _get(spec, field)
         return _put(spec, field, dataclasses.replace(position, coords=P(*manual, None)))
+
+    return specs
+
+
+@functools.lru_cache(maxsize=512)
+def _out_specs(field: str, declare: Any) -> Any:
+    if declare is None:
+        return None
+
+    def specs(tree: Any) -> Any:
+        return _position_specs(field, tree, declare(tree))
 
     return specs
 
@@ -246,10 +267,11 @@ def track_position(handler: Handler, *, field: str = "position", varying: bool =
     The wrapper takes the loop and shard_map options of the handlers it wraps
     and composes its own with them: a given `updater=` runs before the counter
     moves on, a given `reduce_ctx=` runs inside the body with the shard's
-    position still there, `declare_ctx_in_specs=` is kept for the rest of the
-    context. So the wrapped handler must take `updater=` (for loops) and
-    `declare_ctx_in_specs=`, `reduce_ctx=` (for `shard_map`), like the default
-    handlers.
+    position still there, `declare_ctx_in_specs=` and `declare_ctx_out_specs=`
+    are kept for the rest of the context (a spec tree may give the position one
+    `PartitionSpec`, `P()`, for all its leaves). So the wrapped handler must take
+    `updater=` (for loops) and `declare_ctx_in_specs=`, `declare_ctx_out_specs=`,
+    `reduce_ctx=` (for `shard_map`), like the default handlers.
 
     **Arguments:**
 
@@ -307,6 +329,9 @@ def track_position(handler: Handler, *, field: str = "position", varying: bool =
                 field, manual, options.get("declare_ctx_in_specs")
             )
             options["reduce_ctx"] = _leaving(field, options.get("reduce_ctx"))
+            out_specs = _out_specs(field, options.get("declare_ctx_out_specs"))
+            if out_specs is not None:
+                options["declare_ctx_out_specs"] = out_specs
         if varying and name in ("scan", "while", "cond") and inside.levels:
             ctx = inside.vary(_put(ctx, field, None))
         ctx, outvals = handler(interpreter, _put(ctx, field, inside), eqn, invals, **options)
