@@ -20,7 +20,15 @@ def source_line(eqn: JaxprEqn) -> str:
 
     **Returns:**
 
-    The innermost user frame of the equation's traceback, or `"unknown"`.
+    The innermost user frame of the equation's traceback, or `"unknown"`: JAX
+    keeps no user frame for the equations inside the jitted body of a `jnp`
+    function or of a library's function. For those,
+    `kups.effects.toolkit.source_of(eqn, position.enclosing)` gives the line of
+    the control flow around them, which `track_position` keeps.
+
+    `eqn.source_info.name_stack`, beside it, is relative too: inside a loop,
+    `cond`, `checkpoint` or `jit` body it holds the scopes entered in that
+    body, not those around the control-flow equation.
     """
     return _source.source_line(eqn)
 

@@ -195,7 +195,10 @@ def lost_in_backward_pass(
         f"its context, so the {name} would be lost (jax.grad(reinterpret(f, ...)) "
         f"differentiates outside the interpreter). To see the backward pass, interpret "
         f"the gradient function instead: reinterpret(jax.grad(f), interpreter)(ctx, "
-        f"*args). To differentiate anyway without the {name}, {policy_way} "
+        f"*args) (its handlers then act on grad's program: a handler that changes "
+        f"values changes them in the forward and backward equations alike, which gives "
+        f"f's gradient taken at the changed values, not the gradient of the changed "
+        f"program). To differentiate anyway without the {name}, {policy_way} "
         f"(InterpreterPolicy.WARN: warned each time)."
     )
     if interpreter.policy is InterpreterPolicy.RAISE:
