@@ -18,7 +18,7 @@ from jax.extend.core import JaxprEqn
 from kups.effects import CALL_PRIMITIVES, HandlerResult, reduce_shards, to_current_mesh
 
 from ._constants import _constant_equations, _is_literal
-from ._sites import _is_float, scan_layout, widening_cast
+from ._sites import _is_float, collective_axes, scan_layout, widening_cast
 from ._taint_tables import _COLLECTIVE_MOVES, _COLLECTIVES, _MOVES
 
 
@@ -220,9 +220,7 @@ def _across_collective(eqn: JaxprEqn, flags: tuple[Any, ...]) -> tuple[Any, ...]
     output may hold the NaN/Inf of another shard's input."""
     if eqn.primitive.name not in _COLLECTIVES:
         return flags
-    axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
-    axes = axes if isinstance(axes, (tuple, list)) else (axes,)
-    axes = tuple(a for a in axes if not isinstance(a, int))  # not positional (vmap) axes
+    axes = collective_axes(eqn.params)
     return tuple(reduce_shards(jnp.asarray(flag, jnp.int32), axes, op="max") > 0 for flag in flags)
 
 

@@ -122,6 +122,14 @@ def widening_cast(eqn: JaxprEqn) -> bool:
     return floats and bool(jnp.finfo(target).max >= jnp.finfo(source).max)
 
 
+def collective_axes(params: Any) -> tuple[Any, ...]:
+    """The mesh axes a collective's params (`axes`, `axis_name`) name, without
+    the positional axes of a `vmap`."""
+    axes = params.get("axes", params.get("axis_name", ()))
+    axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+    return tuple(a for a in axes if not isinstance(a, int))
+
+
 def scan_layout(eqn: JaxprEqn) -> tuple[int, int]:
     """`(num_consts, num_carry)` of a scan, from the shapes alone (a carry and a
     const have the same shape outside and inside the body; an `xs` or a `ys`

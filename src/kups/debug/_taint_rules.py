@@ -25,7 +25,7 @@ from kups.effects import (
 )
 
 from ._position import _NO_SHARD
-from ._sites import _is_float, _Sites, widening_cast
+from ._sites import _is_float, _Sites, collective_axes, widening_cast
 from ._taint_origin import (
     _DATA,
     _EXTERNAL,
@@ -464,18 +464,12 @@ def _flush(interpreter: Any, state: _Taint) -> _Taint:
     return state._replace(tick=_plus(tick, count))
 
 
-def _collective_axes(params: Any) -> tuple[Any, ...]:
-    axes = params.get("axes", params.get("axis_name", ()))
-    axes = axes if isinstance(axes, (tuple, list)) else (axes,)
-    return tuple(a for a in axes if not isinstance(a, int))
-
-
 def _across_shards(state: _Taint, origin: _Origin | None, params: Any) -> _Origin:
     """The earliest of the shards' `origin`s over the collective's axes (the first
     shard in mesh order on ties): every shard's output may hold any shard's NaN."""
     if origin is None:
         origin = _Origin(_FINE, np.zeros(state.pos.shape[0], np.int32), False)
-    return _earliest_over(state.here.reshape(()), origin, _collective_axes(params))
+    return _earliest_over(state.here.reshape(()), origin, collective_axes(params))
 
 
 def _earliest_over(own: Any, origin: _Origin, axes: tuple[Any, ...]) -> _Origin:
