@@ -23,9 +23,11 @@ _SCALAR_TYPES = (bool, int, float, complex, np.generic, np.ndarray)
 
 def is_value(leaf: Any) -> bool:
     """Whether a context leaf is a traced value (not a static Python object)."""
+    if isinstance(leaf, _compat.Tracer):  # the usual leaf, checked before the ABC
+        return True
     if isinstance(leaf, Uninitialized):
         return False
-    return isinstance(leaf, (jax.Array, _compat.Tracer, *_SCALAR_TYPES))
+    return isinstance(leaf, (jax.Array, *_SCALAR_TYPES))
 
 
 def _aval(leaf: Any) -> Any:
@@ -117,13 +119,29 @@ def same_type(a: Any, b: Any) -> bool:
 
 def split(ctx: Any) -> tuple[CtxSpec, list[Any]]:
     """The spec of `ctx` and its traced leaves, in order."""
-    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(ctx)
-    paths = tuple(p for p, _ in path_leaves)
-    mask = tuple(is_value(leaf) for _, leaf in path_leaves)
-    values = [leaf for (_, leaf), m in zip(path_leaves, mask, strict=True) if m]
-    statics = tuple(leaf for (_, leaf), m in zip(path_leaves, mask, strict=True) if not m)
-    avals = tuple(_aval(v) for v in values)
+    leaves, treedef = jax.tree_util.tree_flatten(ctx)
+    paths = _paths_of(treedef, ctx)
+    mask = tuple(map(is_value, leaves))
+    values = [leaf for leaf, m in zip(leaves, mask, strict=True) if m]
+    statics = tuple(leaf for leaf, m in zip(leaves, mask, strict=True) if not m)
+    avals = tuple(map(_aval, values))
     return CtxSpec(treedef, paths, mask, statics, avals), values
+
+
+# The key paths of the leaves of a tree structure: the same for every context of
+# that structure, and several times dearer to flatten with than without them.
+_PATHS: dict[Any, tuple[KeyPath, ...]] = {}
+_MAX_PATHS = 4096
+
+
+def _paths_of(treedef: Any, ctx: Any) -> tuple[KeyPath, ...]:
+    paths = _PATHS.get(treedef)
+    if paths is None:
+        paths = tuple(p for p, _ in jax.tree_util.tree_flatten_with_path(ctx)[0])
+        if len(_PATHS) >= _MAX_PATHS:
+            _PATHS.clear()
+        _PATHS[treedef] = paths
+    return paths
 
 
 def spec_from_avals(spec: CtxSpec, avals: Sequence[Any]) -> CtxSpec:

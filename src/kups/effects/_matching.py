@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax.extend.random
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from . import _compat
@@ -41,6 +42,9 @@ COMBINER_PRIMITIVES: frozenset[str] = frozenset(
 
 _JAXPR_TYPES = (Jaxpr, ClosedJaxpr)
 _SCALAR_TYPES = (str, bytes, int, float, bool)
+# Types of param values that hold no jaxpr and no function, compared by exact type
+# first: the params of most equations are only these, and every equation is checked.
+_PLAIN_TYPES = frozenset({str, bytes, int, float, bool, type(None), np.dtype})
 
 
 def _jaxprs_in(value: Any, depth: int) -> Iterator[Jaxpr | ClosedJaxpr]:
@@ -78,8 +82,11 @@ def has_jaxpr_params(params: dict[str, Any]) -> bool:
     # Called on every equation a walk meets: most params are None or scalars, so
     # those are passed over without building a generator.
     for value in params.values():
-        if value is None or isinstance(value, _SCALAR_TYPES):
+        kind = type(value)
+        if kind in _PLAIN_TYPES or value is None or isinstance(value, _SCALAR_TYPES):
             continue
+        if kind is tuple and all(type(item) in _PLAIN_TYPES for item in value):
+            continue  # shapes, axes, dimensions
         if next(_jaxprs_in(value, _MAX_DEPTH), None) is not None:
             return True
     return False
@@ -283,11 +290,16 @@ def _is_jax_prng_impl(value: Any) -> bool:
 
 
 def _holds_function(value: Any, depth: int) -> bool:
+    kind = type(value)
+    if kind in _PLAIN_TYPES:
+        return False
+    if kind is tuple and depth > 0 and all(type(item) in _PLAIN_TYPES for item in value):
+        return False  # shapes, axes, dimensions
     if isinstance(value, _FUNCTION_TYPES):
         return True
     if _is_jax_prng_impl(value):
         return False
-    if depth == 0 or isinstance(value, (str, bytes, int, float, bool, *_JAXPR_TYPES)):
+    if depth == 0 or isinstance(value, (str, bytes, int, float, bool, np.dtype, *_JAXPR_TYPES)):
         return False
     if isinstance(value, (tuple, list)):
         return any(_holds_function(item, depth - 1) for item in value)
