@@ -5,7 +5,6 @@ instead of stacking. A base of `Reaper`, which gives `tag`, `first_sown`,
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -19,9 +18,6 @@ from ._reaped import Reaped, filled_with_init, init_of
 from ._rules import given_by_init
 from ._selection import sows_around
 from ._sow import split_operands
-
-# The most elements a scan stacks for a clobber name it could carry instead.
-CARRY_ABOVE = 2**16
 
 
 class Seeding:
@@ -112,9 +108,8 @@ class Seeding:
         """`ctx` with each clobber name new in a scan's body that every iteration
         sows set before the scan (to its `init`, or zeros the first iteration
         overwrites), so that the scan carries its last value instead of stacking
-        one per iteration and taking the last. Only where the stack would hold
-        more than `CARRY_ABOVE` elements: a small stack costs less to trace than
-        a carry, and little memory."""
+        one per iteration and taking the last: no stack to hold, and two
+        equations fewer to trace at each level of a nest of scans."""
         length = eqn.params["length"]
         by_path: dict[SowPath, list[JaxprEqn]] = {}
         for sow_eqn in in_body:
@@ -145,10 +140,8 @@ class Seeding:
                 ):
                     ctx = self._init_value(ctx, init)
                 continue
-            avals = next(iter(shapes))
-            if length * sum(math.prod(a.shape) for a in avals) > CARRY_ABOVE and all(
-                _fillable(a) for a in avals
-            ):
+            # A scan that never runs leaves the name without a value (or its init).
+            if length > 0 and all(map(_fillable, next(iter(shapes)))):
                 ctx = self._init_value(
                     ctx, init if init is not None else sows[0], fill=init is None
                 )
