@@ -66,6 +66,14 @@ def test_every_site_in_program_order_and_both_kinds():
     assert sites_of(f, jnp.array([4.0, 5.0])) == []
 
 
+def test_a_program_with_nothing_to_check_has_no_sites():
+    # Identity, moves only, and a tuple of them: no equation is checked.
+    for fn in (lambda x: x, lambda x: x.reshape(3, 1), lambda x: (x, -x)):
+        assert sites_of(fn, jnp.ones(3)) == []
+        _, sites = jax.vmap(nan_sites(fn))(jnp.ones((2, 3)))
+        assert len(sites) == 0 and list(sites) == []
+
+
 def test_kinds():
     def f(x):
         return jnp.log(x) + jnp.sqrt(x)  # log-and-sqrt

@@ -89,6 +89,8 @@ class NanSites:
                 "function and read them outside."
             )
         full: np.ndarray = np.asarray(self._table)
+        if full.size == 0:
+            return []  # no equation was checked (the program only moves its inputs)
         capacity, kinds, columns = full.shape[-3:]
         table = full.reshape((-1, capacity, kinds, columns))  # the vmapped elements first
         records = []
