@@ -842,6 +842,30 @@ def test_a_constant_inf_is_named_where_the_program_writes_it():
     assert (first.kind, first.primitive) == ("inf", "scatter")
 
 
+def test_an_output_written_in_parts_names_only_the_parts_that_are_not_finite():
+    # Every element of the Inf fill (or of the log's -Inf) is overwritten; the
+    # NaN of the first part reaches, not the fill.
+    def two_sets(x):
+        buf = jnp.full((4,), jnp.inf)
+        buf = buf.at[:2].set(jnp.sqrt(x[:2] - 5.0))  # first-part-nan
+        return buf.at[2:].set(x[2:] * 2.0)
+
+    def two_updates(x):
+        buf = jnp.log(x - 1.0)
+        buf = lax.dynamic_update_slice(buf, jnp.sqrt(x[:2] - 5.0), (0,))  # updated-nan
+        return lax.dynamic_update_slice(buf, jnp.exp(x[2:]), (2,))
+
+    def rows(x):
+        buf = jnp.full((3, 2), jnp.inf)
+        first = jnp.sqrt(x[:2] - 5.0)  # row-zero-nan
+        return buf.at[0].set(first).at[1].set(x[:2] + 1.0).at[2].set(x[2:] + 1.0)
+
+    x = jnp.ones(4)
+    expect(report_of(two_sets, x), "sqrt", "first-part-nan")
+    expect(report_of(two_updates, x), "sqrt", "updated-nan")
+    expect(report_of(rows, x), "sqrt", "row-zero-nan")
+
+
 def test_a_masked_minus_inf_that_never_reaches_is_quiet():
     def masked_softmax(x):
         logits = jnp.where(jnp.arange(4) < 2, x, -jnp.inf)
@@ -1556,6 +1580,51 @@ def test_nan_in_an_argument_is_reported_at_the_first_equation_using_it():
     expect(report_of(f, x), "reduce_sum", "sum-of-arg")
 
 
+# Each takes, moves or negates elements of the argument (index 1 holds the NaN)
+# and keeps the NaN; the next equation computes with it. `jnp.where` and `jnp.pad`
+# join it to constants known to be finite (a literal broadcast to an array).
+_PICKS_OF_AN_ARGUMENT = {
+    "slice": lambda x: x[1:3],
+    "index": lambda x: x[1],
+    "strided slice": lambda x: x[1::2],
+    "dynamic_slice": lambda x: lax.dynamic_slice(x, (1,), (2,)),
+    "gather": lambda x: x[jnp.array([1, 2])],
+    "where with 0.0": lambda x: jnp.where(jnp.arange(4) > 0, x, 0.0),
+    "pad": lambda x: jnp.pad(x, 1),
+    "written into zeros": lambda x: lax.dynamic_update_slice(jnp.zeros(6), x, (1,)),
+    "neg": lambda x: -x,
+    "abs": jnp.abs,
+    "sort": jnp.sort,
+}
+
+
+@pytest.mark.parametrize("pick", sorted(_PICKS_OF_AN_ARGUMENT))
+def test_nan_in_an_argument_is_first_seen_where_it_is_computed_with_not_where_it_is_picked(pick):
+    take = _PICKS_OF_AN_ARGUMENT[pick]
+    x = jnp.array([1.0, jnp.nan, 3.0, 4.0])
+
+    def f(x):
+        return take(x) * 2.0  # computes-with-picked
+
+    for report in ("reaching", "first"):
+        expect(report_of(f, x, report=report), "mul", "computes-with-picked")
+        # Only picked to the output: no equation computed with it.
+        assert report_of(take, x, report=report).found is False
+    # Picked away: nothing is reported.
+    dropped = jnp.array([jnp.nan, 2.0, 3.0, 4.0])
+    if pick in ("slice", "index", "strided slice", "dynamic_slice", "gather"):
+        assert report_of(f, dropped).found is False
+        assert report_of(f, dropped, report="first").found is False
+
+
+def test_a_gather_that_fills_out_of_bounds_indices_with_nan_makes_it():
+    def f(x):
+        return jnp.take(x, jnp.array([1, 7]), mode="fill") * 2.0  # take-fills-nan
+
+    for report in ("reaching", "first"):
+        expect(report_of(f, jnp.ones(4), report=report), "gather", "take-fills-nan")
+
+
 @pytest.mark.parametrize("report", ["reaching", "first"])
 def test_nan_in_an_argument_is_not_blamed_on_an_equation_that_only_moves_it(report):
     def f(b, x):
@@ -1758,6 +1827,17 @@ def test_kinds_nan_only_skips_infs(report):
     # Only Infs made: nothing to report for NaNs.
     _, quiet = find_nans(lambda x: 1.0 / x, report=report, kinds=("nan",))(jnp.float32(0.0))
     assert quiet.found is False
+
+
+@pytest.mark.parametrize("report", ["reaching", "first"])
+def test_kinds_inf_only_never_reports_a_nan(report):
+    def f(x):
+        return jnp.sqrt(x - 2.0)  # makes NaNs only
+
+    _, inf_only = find_nans(f, report=report, kinds=("inf",))(jnp.ones(2))
+    assert inf_only.found is False
+    _, jitted = jax.jit(find_nans(f, report=report, kinds=("inf",)))(jnp.ones(2))
+    assert jitted.found is False
 
 
 def test_kinds_nan_only_follows_an_inf_that_becomes_a_nan():

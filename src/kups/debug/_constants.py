@@ -11,6 +11,8 @@ import dataclasses
 import weakref
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Literal
 
 from kups.effects import (
@@ -21,7 +23,7 @@ from kups.effects import (
     sub_jaxprs,
 )
 
-from ._sites import _Frame, _Scope
+from ._sites import _Frame, _Scope, widening_cast
 
 _CONSTANTS: weakref.WeakKeyDictionary[
     Jaxpr, dict[tuple[bool, ...], tuple[frozenset[int], frozenset[Any]]]
@@ -56,6 +58,73 @@ def _constant_equations(
 
 def _is_literal(atom: Any) -> bool:
     return isinstance(atom, Literal)
+
+
+# Equations that move the elements of their input as they are: a constant made
+# by one from finite values is finite.
+KEEPS_FINITE = frozenset(
+    {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev", "copy", "copy_p"}
+)
+
+
+def keeps_finite(eqn: JaxprEqn) -> bool:
+    """Whether `eqn`'s outputs are finite when its inputs are: it moves their
+    elements, or casts them to a float dtype that holds them all."""
+    name = eqn.primitive.name
+    if name in KEEPS_FINITE or widening_cast(eqn):
+        return True
+    if name != "convert_element_type":
+        return False
+    source, target = getattr(eqn.invars[0].aval, "dtype", None), eqn.params["new_dtype"]
+    if source is None:
+        return False
+    if not jnp.issubdtype(target, jnp.floating):
+        return False
+    if source == jnp.bool_:
+        return True
+    return bool(
+        jnp.issubdtype(source, jnp.integer) and jnp.iinfo(source).max <= jnp.finfo(target).max
+    )
+
+
+_FINITE: weakref.WeakKeyDictionary[Jaxpr, dict[Any, frozenset[Any]]] = weakref.WeakKeyDictionary()
+
+
+def finite_literal(atom: Any) -> bool:
+    if not _is_literal(atom):
+        return False
+    value = np.asarray(atom.val)  # pyright: ignore[reportAttributeAccessIssue]
+    return not np.issubdtype(value.dtype, np.inexact) or bool(np.isfinite(value).all())
+
+
+def _finite_constants(frame: _Frame) -> frozenset[Any]:
+    """The constants of `frame`'s jaxpr known to be finite while tracing: its
+    inputs given finite, and what only moves their elements or those of finite
+    literals (`jnp.where(m, x, 0.0)` broadcasts its `0.0` to an array)."""
+    jaxpr, constant_inputs = frame.jaxpr, frame.constant_inputs
+    by_inputs = _FINITE.setdefault(jaxpr, {})
+    key = (constant_inputs, frame.finite_inputs)
+    if key in by_inputs:
+        return by_inputs[key]
+    equations, _ = _constant_equations(jaxpr, constant_inputs)
+    finite: set[Any] = {v for v, f in zip(jaxpr.invars, frame.finite_inputs, strict=False) if f}
+    for eqn in jaxpr.eqns:
+        if (
+            keeps_finite(eqn)
+            and id(eqn) in equations
+            and all(finite_literal(v) or (not _is_literal(v) and v in finite) for v in eqn.invars)
+        ):
+            finite.update(eqn.outvars)
+    result = by_inputs[key] = frozenset(finite)
+    return result
+
+
+def known_finite(frame: _Frame | None, atom: Any) -> bool:
+    """Whether `atom`, of the jaxpr being run, is a finite literal or a constant
+    known to be finite (see `_finite_constants`)."""
+    if _is_literal(atom):
+        return finite_literal(atom)
+    return frame is not None and atom in _finite_constants(frame)
 
 
 def _is_constant(frame: _Frame | None, eqn: JaxprEqn) -> bool:
@@ -98,8 +167,9 @@ def _in_frame(handler: Handler) -> Handler:
             return handler(interpreter, state, eqn, invals)
         _, constant_vars = _constant_equations(outer.frame.jaxpr, outer.frame.constant_inputs)
         constant_inputs = tuple(_is_literal(v) or v in constant_vars for v in inputs)
+        finite_inputs = tuple(known_finite(outer.frame, v) for v in inputs)
         first, *others = bodies
-        frame = _Frame(first, constant_inputs, bodies if others else ())
+        frame = _Frame(first, constant_inputs, bodies if others else (), finite_inputs)
         inner = dataclasses.replace(outer, frame=frame)
         result = handler(interpreter, state._replace(scope=inner), eqn, invals)
         return HandlerResult(result.ctx._replace(scope=outer), result.outvals)
@@ -120,7 +190,7 @@ class _FramingInterpreter(Interpreter):
         outer = ctx.scope
         frame = outer.frame
         if frame is not None and frame.jaxpr is not jaxpr and _is_in(jaxpr, frame.branches):
-            frame = _Frame(jaxpr, frame.constant_inputs)
+            frame = _Frame(jaxpr, frame.constant_inputs, (), frame.finite_inputs)
         elif frame is None or frame.jaxpr is not jaxpr:
             frame = _Frame(jaxpr, (False,) * len(jaxpr.invars))
         inner = dataclasses.replace(outer, frame=frame)

@@ -17,9 +17,17 @@ from jax.extend.core import JaxprEqn
 
 from kups.effects import CALL_PRIMITIVES, HandlerResult, reduce_shards, to_current_mesh
 
-from ._constants import _constant_equations, _is_literal
-from ._sites import _is_float, collective_axes, scan_layout, widening_cast
-from ._taint_tables import _COLLECTIVE_MOVES, _COLLECTIVES, _MOVES
+from ._constants import _constant_equations, _is_literal, known_finite
+from ._sites import (
+    _is_float,
+    _is_float_aval,
+    collective_axes,
+    gathers_only,
+    keeps_elements,
+    scan_layout,
+    widening_cast,
+)
+from ._taint_tables import _COLLECTIVE_MOVES, _COLLECTIVES, _MOVES, _MOVING_FILTERS, _SLICES
 
 
 class _Check(NamedTuple):
@@ -106,12 +114,13 @@ def _flags(
     """Whether any element of `values` is a NaN / an Inf, for each of `kinds`, and
     (if `either`, else `None`) whether any is of a watched kind: one reduction of
     all the flags at once per value. Not `exact`, the flag of "inf" says whether
-    any element is not finite (one operation less per element)."""
+    any element is not finite (one operation less per element), when "nan" is
+    watched too (its own flag tells the NaNs apart)."""
     found: dict[str, Any] = {}
     held = None
     for value in values:
         real = not jnp.issubdtype(value.dtype, jnp.complexfloating)
-        finite = not exact and real and "inf" in kinds
+        finite = not exact and real and "inf" in kinds and "nan" in kinds
         masks, inits, combine = [], [], []
         for kind in kinds:
             if kind == "inf" and finite:
@@ -210,7 +219,17 @@ def _moves_data(state: Any, eqn: JaxprEqn) -> bool:
     checked: a NaN/Inf that an argument held is first seen at the equation that
     computes with it, and one made in the program was found where it was made."""
     name = eqn.primitive.name
-    moves = name in _MOVES or name in _COLLECTIVE_MOVES or widening_cast(eqn)
+    moves = (
+        name in _MOVES
+        or name in _SLICES
+        or name in _COLLECTIVE_MOVES
+        or widening_cast(eqn)
+        or keeps_elements(eqn)
+        or gathers_only(eqn)
+        # Inside a loop, an overwrite or a `where` may be where a constant NaN/Inf
+        # that the loop carries (not a constant in its body) first meets data.
+        or (name in _MOVING_FILTERS and state.position.depth == 0)
+    )
     return moves and not _reads_constants(state, eqn)
 
 
@@ -234,8 +253,14 @@ def _is_constant_var(state: Any, var: Any) -> bool:
 
 
 def _reads_constants(state: Any, eqn: JaxprEqn) -> bool:
-    """Whether an input of `eqn` is a literal or a constant of the program."""
-    return any(_is_constant_var(state, var) for var in eqn.invars)
+    """Whether a float input of `eqn` is a literal or a constant of the program
+    that may hold a NaN/Inf (not an index, nor a `0.0` broadcast to an array)."""
+    return any(
+        _is_float_aval(var.aval)
+        and _is_constant_var(state, var)
+        and not known_finite(state.scope.frame, var)
+        for var in eqn.invars
+    )
 
 
 def _real(values: list[Any]) -> bool:

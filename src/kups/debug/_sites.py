@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
@@ -59,6 +60,8 @@ class _Frame:
     jaxpr: Jaxpr
     constant_inputs: tuple[bool, ...]
     branches: tuple[Jaxpr, ...] = ()
+    # Which inputs are constants known to be finite (a literal `0.0` passed in).
+    finite_inputs: tuple[bool, ...] = ()
 
 
 class _Sites:
@@ -120,6 +123,27 @@ def widening_cast(eqn: JaxprEqn) -> bool:
     target = eqn.params["new_dtype"]
     floats = source is not None and all(jnp.issubdtype(d, jnp.floating) for d in (source, target))
     return floats and bool(jnp.finfo(target).max >= jnp.finfo(source).max)
+
+
+def gathers_only(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` is a `gather` that takes elements of its operand only (`x[i]`),
+    not one that fills out-of-bounds indices with a value (`mode="fill"`, a NaN for
+    floats by default)."""
+    return (
+        eqn.primitive.name == "gather"
+        and eqn.params.get("mode") != jax.lax.GatherScatterMode.FILL_OR_DROP
+    )
+
+
+def keeps_elements(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` gives each output element one of its inputs' as it is, negated
+    or in absolute value (`neg`, `abs` of real numbers, `sort`): it makes no
+    NaN/Inf and drops none."""
+    name = eqn.primitive.name
+    if name == "abs":
+        dtype = getattr(eqn.invars[0].aval, "dtype", None)
+        return dtype is not None and not jnp.issubdtype(dtype, jnp.complexfloating)
+    return name in ("neg", "sort")
 
 
 def collective_axes(params: Any) -> tuple[Any, ...]:

@@ -67,7 +67,12 @@ def _taint_call(
     state = _flush(interpreter, state)
     origins = interpreter.origins_of(eqn.invars, eqn)
     entries = with_pieces(origins, interpreter.pieces_of(eqn.invars))
-    io = _IO("call", (), with_rows(entries, [interpreter.rows_of(v) for v in eqn.invars]))
+    io = _IO(
+        "call",
+        (),
+        with_rows(entries, [interpreter.rows_of(v) for v in eqn.invars]),
+        interpreter.finite_atoms(eqn.invars),
+    )
     result = handler(interpreter, state._replace(io=io), eqn, invals)
     return _left(interpreter, state, eqn, result)
 

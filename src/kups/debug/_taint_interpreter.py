@@ -19,7 +19,7 @@ from kups.effects import (
     to_current_mesh,
 )
 
-from ._constants import _is_literal
+from ._constants import _is_literal, finite_literal, keeps_finite
 from ._position import _loop_depth
 from ._sites import _Sites
 from ._taint_crossing import with_pieces, with_rows, without_pieces, without_rows
@@ -31,11 +31,13 @@ from ._taint_origin import (
     _float_origin,
     _is_float_aval,
     _merged_slot,
+    _Origin,
     _shape,
     _Taint,
     _validated,
     fenced,
 )
+from ._taint_pieces import origin_of_parts
 from ._taint_rows import (
     _Rows,
     _RowSlot,
@@ -66,6 +68,8 @@ class _TaintInterpreter(Interpreter):
         self.rows: list[dict[Any, Any]] = []
         # Per frame: the integers computed from literals alone (`_taint_known`).
         self.known: list[dict[Any, Any]] = []
+        # Per frame: the float constants known to be finite (`_finite_constants`).
+        self.finite: list[set[Any]] = []
         # Per frame: the equations run in it since `tick` was last advanced.
         self.pending: list[int] = []
         # Whether any value met so far is typed for a mesh: only then can origins
@@ -109,7 +113,11 @@ class _TaintInterpreter(Interpreter):
 
     def learn(self, eqn: JaxprEqn, invals: list[Any]) -> None:
         """Keeps the value of `eqn`'s integer output if it is computed from
-        literals and known integers alone (`_taint_known`)."""
+        literals and known integers alone (`_taint_known`), and whether its
+        outputs are finite constants (moved finite literals)."""
+        finite = self.finite[-1]
+        if keeps_finite(eqn) and all(self.finite_atoms(eqn.invars)):
+            finite.update(eqn.outvars)
         known = self.known[-1]
         values = []
         for v, x in zip(eqn.invars, invals, strict=True):
@@ -124,6 +132,12 @@ class _TaintInterpreter(Interpreter):
         value = known_outputs(eqn, values)
         if value is not None:
             known[eqn.outvars[0]] = value
+
+    def finite_atoms(self, atoms: Any) -> tuple[bool, ...]:
+        """Which of `atoms`, of the jaxpr being run, are finite literals or
+        constants known to be finite."""
+        finite = self.finite[-1]
+        return tuple(finite_literal(v) or (not _is_literal(v) and v in finite) for v in atoms)
 
     def static(self, eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
         """`invals`, with the integers computed from literals alone known."""
@@ -160,7 +174,7 @@ class _TaintInterpreter(Interpreter):
             # cond's operands rows.
             entries, in_rows = without_rows(io.origins)
             unpieced, in_pieces = without_pieces(entries)
-            io = _IO(io.role, io.counts, tuple(unpieced))
+            io = _IO(io.role, io.counts, tuple(unpieced), io.finite)
         origins, ctx = _enter(io, ctx, jaxpr, args, self.sites.kinds)
         # A loop's buffer written row by row comes in with the origins of its rows.
         rows = {
@@ -177,6 +191,8 @@ class _TaintInterpreter(Interpreter):
             pieces = {v: p for v, p in zip(jaxpr.invars, in_pieces, strict=True) if p is not None}
         self.pieces.append(pieces)
         self.known.append({})
+        finite_in = io.finite if len(io.finite) == len(jaxpr.invars) else ()
+        self.finite.append({v for v, f in zip(jaxpr.invars, finite_in, strict=False) if f})
         self.rows.append(rows)
         self.pending.append(0)
         try:
@@ -187,12 +203,22 @@ class _TaintInterpreter(Interpreter):
             self.frames.pop()
             self.pieces.pop()
             self.known.pop()
+            self.finite.pop()
             self.rows.pop()
             self.pending.pop()
         out_origins = [
             None if _is_literal(v) else frame[v] if v in frame else _float_origin(v.aval, _EXTERNAL)
             for v in jaxpr.outvars
         ]
+        if io.role == "top" and pieces:
+            # An output written in parts (`buf.at[:2].set(a)`, then `.at[2:]`):
+            # only the parts that are not finite reach.
+            for i, (v, out) in enumerate(zip(jaxpr.outvars, outs, strict=True)):
+                own = None if _is_literal(v) else pieces.get(v)
+                if own is not None and isinstance(out_origins[i], _Origin):
+                    exact = origin_of_parts(own, out, self.sites.kinds)
+                    if exact is not None:
+                        out_origins[i] = exact
         left = fenced(_leave(io, ctx, jaxpr, out_origins, out_rows))
         if io.role == "call" and pieces:
             out_pieces = [None if _is_literal(v) else pieces.get(v) for v in jaxpr.outvars]  # pyright: ignore[reportArgumentType]

@@ -74,12 +74,20 @@ class _IO:
     """The origins that cross a sub-program's boundary, in the context: those of
     its inputs when the handler calls the interpreter, those of its outputs when
     the interpreter returns. `role` (static) says how they map to the jaxpr's
-    inputs and outputs; `counts` (static) splits them into groups."""
+    inputs and outputs; `counts` (static) splits them into groups; `finite`
+    (static), for a call's inputs, which are constants known to be finite."""
 
-    def __init__(self, role: str, counts: tuple[int, ...], origins: tuple[Any, ...]) -> None:
+    def __init__(
+        self,
+        role: str,
+        counts: tuple[int, ...],
+        origins: tuple[Any, ...],
+        finite: tuple[bool, ...] = (),
+    ) -> None:
         self.role = role
         self.counts = counts
         self.origins = origins
+        self.finite = finite
 
     def groups(self) -> list[list[Any]]:
         parts, start = [], 0
@@ -91,8 +99,8 @@ class _IO:
 
 jax.tree_util.register_pytree_node(
     _IO,
-    lambda io: ((io.origins,), (io.role, io.counts)),
-    lambda aux, children: _IO(aux[0], aux[1], children[0]),
+    lambda io: ((io.origins,), (io.role, io.counts, io.finite)),
+    lambda aux, children: _IO(aux[0], aux[1], children[0], aux[2]),
 )
 
 

@@ -288,6 +288,20 @@ def _masked_origin(
     return _earliest(traced) if traced else _FINITE
 
 
+def origin_of_parts(own: _Pieces, value: Any, kinds: tuple[str, ...]) -> Any:
+    """The origin of the whole of `value`, an array of pieces `own`: the earliest
+    of the pieces whose part of it is not finite (one check per piece); `None`
+    past `MAX_CHECKED_PIECES` pieces."""
+    if len(own.origins) > MAX_CHECKED_PIECES:
+        return None
+    traced = [
+        _validated(origin, jax.lax.slice_in_dim(value, lo, hi, axis=own.axis), kinds)
+        for lo, hi, origin in _ranges(own)
+        if isinstance(origin, _Origin)
+    ]
+    return _earliest(traced) if traced else _FINITE
+
+
 def _kept(own: _Pieces, start: int, stop: int, stride: int) -> list[tuple[int, int, Any]]:
     """The pieces a slice `start:stop:stride` keeps, as `(lo, hi, origin)` with
     `lo:hi` the range of the slice's output they fill."""

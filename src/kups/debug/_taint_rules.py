@@ -24,8 +24,16 @@ from kups.effects import (
     reduce_shards,
 )
 
+from ._constants import _is_literal
 from ._position import _NO_SHARD
-from ._sites import _is_float, _Sites, collective_axes, widening_cast
+from ._sites import (
+    _is_float,
+    _Sites,
+    collective_axes,
+    gathers_only,
+    keeps_elements,
+    widening_cast,
+)
 from ._taint_origin import (
     _DATA,
     _EXTERNAL,
@@ -56,6 +64,7 @@ from ._taint_tables import (
     _ELEMENTWISE,
     _FILTERS,
     _MOVES,
+    _MOVING_FILTERS,
     _OVERWRITES,
     _PER_OPERAND,
     _TRANSPARENT,
@@ -183,6 +192,13 @@ def _taint_equation(
         interpreter.set_origins(eqn.outvars, [None] * len(eqn.outvars))
         interpreter.learn(eqn, invals)
         return HandlerResult(state, outvals)
+    finite = interpreter.finite[-1]
+    if finite:
+        # Constants known to be finite (`jnp.where(m, x, 0.0)`'s zeros) hold none.
+        origins = [
+            _FINITE if o is None and not _is_literal(v) and v in finite else o
+            for v, o in zip(eqn.invars, origins, strict=True)
+        ]
     pieces = interpreter.pieces_of(eqn.invars)
     # Indices computed from literals are known while tracing.
     invals = interpreter.static(eqn, invals)
@@ -198,7 +214,9 @@ def _taint_equation(
         if sliced is not None:
             origins = [sliced, *origins[1:]]
     pending = interpreter.pending[-1]
-    site, out_origins = _propagate(sites, state, eqn, invals, origins, outvals, pending)
+    site, out_origins = _propagate(
+        sites, state, eqn, invals, origins, outvals, pending, pieced=any(pieces)
+    )
     interpreter.pending[-1] = pending + (site is not None)
     interpreter.set_origins(eqn.outvars, out_origins)
     made = pieces_made(eqn, invals, origins, pieces)
@@ -241,9 +259,12 @@ def _propagate(
     origins: list[Any],
     outvals: list[Any],
     pending: int,
+    *,
+    pieced: bool = False,
 ) -> tuple[int | None, list[Any]]:
     """The site of `eqn` if it can make a NaN/Inf (else `None`), and the origins
-    of its outputs; its events are stamped `tick + pending`."""
+    of its outputs; its events are stamped `tick + pending`. `pieced`: an input
+    has parts of different origins (`_taint_pieces`)."""
     name = eqn.primitive.name
     now = None
     floats_in = [i for i, value in enumerate(invals) if _is_float(value)]
@@ -267,11 +288,20 @@ def _propagate(
         constant = any(
             origins[i] is None and not _concrete_finite(invals[i], sites.kinds) for i in inputs
         )
-        moves = name in _MOVES or widening_cast(eqn)
+        # A filter of parts keeps their origins through the site it is (see
+        # `_elementwise_pieces`).
+        filters = (name in _MOVING_FILTERS or gathers_only(eqn)) and not pieced
+        moves = name in _MOVES or filters or keeps_elements(eqn) or widening_cast(eqn)
         if moves and external and not constant and not collective:
             # Moving what an argument may hold is not computing with it: the
             # equation that does is where its NaN/Inf is first seen.
+            if name in _OVERWRITES and len(traced) > 1:
+                traced = _survivors(eqn, invals, origins, sites.kinds)
+            elif name == "select_n" and len(traced) > 1:
+                traced = _selected(invals, origins, sites.kinds)
             moved = _earliest(traced) if traced else None
+            if moved is not None and filters:
+                moved = _validated(moved, outval, sites.kinds)  # it may leave it out
             out_origins.append(_EXTERNAL if moved is None else _Origin(moved.w, moved.info, True))
             continue
         if collective and name in _COLLECTIVE_MOVES and external and not constant:

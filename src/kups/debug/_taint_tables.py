@@ -65,6 +65,19 @@ _FILTERS = frozenset(
 )
 
 
+# Filters that only move elements of one input, possibly leaving some out (no
+# arithmetic): like `_MOVES`, a NaN/Inf of an argument that they pass on is first
+# seen at the equation that computes with it. (Not `gather`: `mode="fill"` fills
+# with NaN.)
+_SLICES = frozenset({"slice", "dynamic_slice", "pad"})
+
+# With the filters that join the elements of several inputs (an overwrite, a
+# `where`): "reaching" follows the elements each keeps. "first" and `nan_sites`
+# check those inside loops, where one may be where a constant NaN/Inf that the
+# loop carries (not known as a constant in its body) first meets data.
+_MOVING_FILTERS = _SLICES | {"select_n", "dynamic_update_slice", "scatter"}
+
+
 # Output j is operand j, reordered or moved.
 _PER_OPERAND = frozenset({"sort", "device_put", "optimization_barrier"})
 
