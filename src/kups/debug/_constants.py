@@ -62,7 +62,7 @@ def _is_literal(atom: Any) -> bool:
 
 # Equations that move the elements of their input as they are: a constant made
 # by one from finite values is finite.
-KEEPS_FINITE = frozenset(
+_KEEPS_FINITE = frozenset(
     {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev", "copy", "copy_p"}
 )
 
@@ -71,7 +71,7 @@ def keeps_finite(eqn: JaxprEqn) -> bool:
     """Whether `eqn`'s outputs are finite when its inputs are: it moves their
     elements, or casts them to a float dtype that holds them all."""
     name = eqn.primitive.name
-    if name in KEEPS_FINITE or widening_cast(eqn):
+    if name in _KEEPS_FINITE or widening_cast(eqn):
         return True
     if name != "convert_element_type":
         return False
@@ -90,9 +90,10 @@ def keeps_finite(eqn: JaxprEqn) -> bool:
 _FINITE: weakref.WeakKeyDictionary[Jaxpr, dict[Any, frozenset[Any]]] = weakref.WeakKeyDictionary()
 
 
-def finite_literal(atom: Any) -> bool:
+def finite_atom(atom: Any, finite: set[Any] | frozenset[Any]) -> bool:
+    """Whether `atom` is a literal that is not a NaN/Inf, or a variable in `finite`."""
     if not _is_literal(atom):
-        return False
+        return atom in finite
     value = np.asarray(atom.val)  # pyright: ignore[reportAttributeAccessIssue]
     return not np.issubdtype(value.dtype, np.inexact) or bool(np.isfinite(value).all())
 
@@ -112,7 +113,7 @@ def _finite_constants(frame: _Frame) -> frozenset[Any]:
         if (
             keeps_finite(eqn)
             and id(eqn) in equations
-            and all(finite_literal(v) or (not _is_literal(v) and v in finite) for v in eqn.invars)
+            and all(finite_atom(v, finite) for v in eqn.invars)
         ):
             finite.update(eqn.outvars)
     result = by_inputs[key] = frozenset(finite)
@@ -122,9 +123,9 @@ def _finite_constants(frame: _Frame) -> frozenset[Any]:
 def known_finite(frame: _Frame | None, atom: Any) -> bool:
     """Whether `atom`, of the jaxpr being run, is a finite literal or a constant
     known to be finite (see `_finite_constants`)."""
-    if _is_literal(atom):
-        return finite_literal(atom)
-    return frame is not None and atom in _finite_constants(frame)
+    if _is_literal(atom) or frame is None:
+        return finite_atom(atom, frozenset())
+    return atom in _finite_constants(frame)
 
 
 def _is_constant(frame: _Frame | None, eqn: JaxprEqn) -> bool:

@@ -19,7 +19,7 @@ from kups.effects import (
     to_current_mesh,
 )
 
-from ._constants import _is_literal, finite_literal, keeps_finite
+from ._constants import _is_literal, finite_atom, keeps_finite
 from ._position import _loop_depth
 from ._sites import _Sites
 from ._taint_crossing import with_pieces, with_rows, without_pieces, without_rows
@@ -137,7 +137,7 @@ class _TaintInterpreter(Interpreter):
         """Which of `atoms`, of the jaxpr being run, are finite literals or
         constants known to be finite."""
         finite = self.finite[-1]
-        return tuple(finite_literal(v) or (not _is_literal(v) and v in finite) for v in atoms)
+        return tuple(finite_atom(v, finite) for v in atoms)
 
     def static(self, eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
         """`invals`, with the integers computed from literals alone known."""

@@ -83,7 +83,7 @@ def has_jaxpr_params(params: dict[str, Any]) -> bool:
     # those are passed over without building a generator.
     for value in params.values():
         kind = type(value)
-        if kind in _PLAIN_TYPES or value is None or isinstance(value, _SCALAR_TYPES):
+        if kind in _PLAIN_TYPES or isinstance(value, _SCALAR_TYPES):
             continue
         if kind is tuple and all(type(item) in _PLAIN_TYPES for item in value):
             continue  # shapes, axes, dimensions
