@@ -26,7 +26,7 @@ first of them without it, as `jax.jit(f)(*placed)` calls them.
 Every failure prints a standalone reproducer: the seed, the program's source and
 the call that failed.
 
-`KUPS_FUZZ_N` programs per test (default 120 for the identity test, 40 for the
+`KUPS_FUZZ_N` programs per test (default 64 for the identity test, 40 for the
 effects test; a quarter of it, 12 by default, for the NaN reports), from seed
 `KUPS_FUZZ_SEED` (default 0); `KUPS_FUZZ_JIT_EVERY` (default 8) says how often
 a program is also checked under `jax.jit` and differentiated;
@@ -61,7 +61,7 @@ from kups.instrument import count_primitives
 pytestmark = [pytest.mark.fuzz, pytest.mark.leakcheck]
 
 FIRST = int(os.environ.get("KUPS_FUZZ_SEED", "0"))
-N_IDENTITY = int(os.environ.get("KUPS_FUZZ_N", "120"))
+N_IDENTITY = int(os.environ.get("KUPS_FUZZ_N", "64"))
 N_EFFECTS = int(os.environ.get("KUPS_FUZZ_N", "40"))
 # A quarter as many: each program runs three instrumented programs, compiled.
 N_NANS = max(1, int(os.environ.get("KUPS_FUZZ_N", "48")) // 4)
