@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -269,21 +269,19 @@ def reinterpret(fn: Callable[..., Any], interpreter: Interpreter) -> Callable[..
         )
 
     def call(ctx: Ctx, *args: Any, **kwargs: Any) -> tuple[Any, Ctx]:
-        dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
-        dyn_leaves, dyn_tree = jax.tree.flatten(dynamic)
-        out_static: list[Any] = []
+        dyn_leaves, rebuild_args = _arrays_of((args, kwargs))
+        out_rebuild: list[Callable[[Sequence[Any]], Any]] = []
 
         def flat_fn(*leaves: Any) -> list[Any]:
-            call_args, call_kwargs = eqx.combine(jax.tree.unflatten(dyn_tree, leaves), static)
+            call_args, call_kwargs = rebuild_args(leaves)
             try:
                 out = fn(*call_args, **call_kwargs)
             except TypeError as error:
                 # Read `fn`'s signature only when the call failed.
                 _check_context_given(fn, ctx, args, kwargs, error)
                 raise
-            out_dynamic, out_static_part = eqx.partition(out, eqx.is_array)
-            out_leaves, out_tree = jax.tree.flatten(out_dynamic)
-            out_static.append((out_tree, out_static_part))
+            out_leaves, rebuild_out = _arrays_of(out)
+            out_rebuild.append(rebuild_out)
             return out_leaves
 
         with call_site():
@@ -291,11 +289,28 @@ def reinterpret(fn: Callable[..., Any], interpreter: Interpreter) -> Callable[..
             jaxpr, _, consts = _compat.trace_to_jaxpr(flat_fn, avals, "kups reinterpret", fn)
             closed = _compat.new_closed_jaxpr(jaxpr, consts)
             outs, ctx = interpreter(closed, ctx, *dyn_leaves)
-        outs = [_as_array(out) for out in outs]
-        out_tree, out_static_part = out_static[0]
-        return eqx.combine(jax.tree.unflatten(out_tree, outs), out_static_part), ctx
+        return out_rebuild[0]([_as_array(out) for out in outs]), ctx
 
     return wraps_with_leading(fn, "ctx")(call)
+
+
+def _arrays_of(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
+    """The array leaves of `tree` (JAX and NumPy arrays, as `equinox.is_array`
+    says), and a function that rebuilds `tree` with new array leaves and its other
+    leaves as they are."""
+    leaves, treedef = jax.tree.flatten(tree)
+    mask = [eqx.is_array(leaf) for leaf in leaves]
+    if all(mask):
+        return leaves, functools.partial(jax.tree.unflatten, treedef)
+    statics = [leaf for leaf, m in zip(leaves, mask, strict=True) if not m]
+
+    def rebuild(arrays: Sequence[Any]) -> Any:
+        arrays_iter, statics_iter = iter(arrays), iter(statics)
+        return jax.tree.unflatten(
+            treedef, [next(arrays_iter) if m else next(statics_iter) for m in mask]
+        )
+
+    return [leaf for leaf, m in zip(leaves, mask, strict=True) if m], rebuild
 
 
 def _check_context_given(
