@@ -27,6 +27,8 @@ from kups.checks import (
     user_checks,
 )
 from kups.checks._first import first_true
+from kups.debug import find_nans
+from kups.instrument import count_primitives
 
 _SOURCE = pathlib.Path(__file__).read_text().splitlines()
 
@@ -692,6 +694,10 @@ def scatter_at(x, i):
     return x.at[i].add(1.0)  # scatter-add
 
 
+def subtract_at(x, i):
+    return x.at[i].subtract(1.0)  # scatter-sub
+
+
 def set_at(x, i):
     return x.at[jnp.stack([i, 1])].set(1.0)  # scatter
 
@@ -724,6 +730,23 @@ EXAMPLES = [
     (float_divide, div_checks, checkify.div_checks, 3, 2, "div", "float division"),
     (log_of, nan_checks, checkify.nan_checks, 0, 6, "log", "log"),
 ]
+
+
+def test_scatter_sub_is_checked_as_scatter_add():
+    # checkify has no index check for `x.at[i].subtract` (scatter-sub): kups checks
+    # it as the other scatters, so the oracle is `x.at[i].add`'s verdict.
+    x = jnp.arange(5.0)
+    sub = jax.jit(checked(subtract_at, errors=index_checks))
+    add = jax.jit(checked(scatter_at, errors=index_checks))
+    for i in range(-8, 10):
+        out, error = sub(x, jnp.int32(i))
+        np.testing.assert_array_equal(out, subtract_at(x, jnp.int32(i)))
+        assert (error.get() is None) == (add(x, jnp.int32(i))[1].get() is None), i
+    assert "'scatter-sub'" in error.message and error.source == at("scatter-sub")
+    # The other effects count and watch it as the plain primitive it is.
+    counts = count_primitives(subtract_at)(x, jnp.int32(1))[1]
+    assert counts["scatter-sub"] == 1
+    assert not find_nans(subtract_at)(x, jnp.int32(1))[1].found
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,8 @@ COMBINER_PRIMITIVES: frozenset[str] = frozenset(
         "scatter_min",
         "scatter-max",
         "scatter_max",
+        "scatter-sub",
+        "scatter_sub",
         "scatter-apply",
         "reduce",
         "reduce_window",
@@ -94,7 +96,12 @@ def has_jaxpr_params(params: dict[str, Any]) -> bool:
 
 def is_control_flow(eqn: JaxprEqn) -> bool:
     """Whether `eqn` runs sub-programs of the user's (not only combiners)."""
-    return eqn.primitive.name not in COMBINER_PRIMITIVES and has_jaxpr_params(eqn.params)
+    name = eqn.primitive.name
+    # Every scatter holds its combiner as `update_jaxpr` (the list above names the
+    # others; a scatter JAX adds later is one too).
+    if name in COMBINER_PRIMITIVES or name.startswith("scatter"):
+        return False
+    return has_jaxpr_params(eqn.params)
 
 
 def contains_subjaxprs(ctx: Any, eqn: JaxprEqn, invals: list[Any]) -> bool:
@@ -163,13 +170,15 @@ CALL_PRIMITIVES: frozenset[str] = frozenset(
         "remat2",  # `jax.checkpoint`'s (printed `checkpoint`)
         "custom_jvp_call",
         "custom_vjp_call",
+        "composite",
     }
 )
 """Names of the primitives that call one sub-program on their inputs, one for
 one, and give its outputs as theirs: `jax.jit`'s, `closed_call` and `call`
 (`eval_jaxpr` from JAX 0.11), `jax.checkpoint`'s (named `remat2`, printed
-`checkpoint`) and the custom-derivative calls (`custom_jvp_call`,
-`custom_vjp_call`: their primal function). `call_body` gives the sub-program;
+`checkpoint`), the custom-derivative calls (`custom_jvp_call`,
+`custom_vjp_call`: their primal function) and `lax.composite` (its
+decomposition). `call_body` gives the sub-program;
 the names are for registering a handler, or a wrapper of one, for each."""
 
 
