@@ -64,6 +64,20 @@ LOOP_FREE = {
         (jnp.ones((2, 3, 16, 16)), jnp.ones((5, 3, 3, 3))),
     ),
     "mlp": (mlp, (jnp.ones((8, 32)), jnp.ones((32, 4)), jnp.ones((16, 8)))),
+    "max pooling": (
+        lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"),
+        (jnp.ones((1, 8, 8, 2)),),
+    ),
+    "sum pooling, same padding": (
+        lambda x: lax.reduce_window(x, 0.0, lax.add, (1, 3, 3, 1), (1, 1, 1, 1), "SAME"),
+        (jnp.ones((1, 8, 8, 2)),),
+    ),
+    "fft": (jnp.fft.fft, (jnp.ones((4, 16), jnp.complex64),)),
+    "real fft": (jnp.fft.rfft, (jnp.ones(64),)),
+    "scatter-subtract": (
+        lambda x, i: x.at[i].subtract(1.0),
+        (jnp.ones(16), jnp.array([1, 2], jnp.int32)),
+    ),
 }
 # Not compared with XLA: its algebraic simplifier rewrites the elementwise tail of a
 # backward pass (multiplications by one, broadcasts of the cotangent), so its count
@@ -77,6 +91,45 @@ def test_loop_free_programs_agree_with_xla(name):
     _, cost = count_flops(fn)(*args)
     expected = xla_cost(fn, *args)
     assert (cost.flops, cost.transcendentals) == (expected["flops"], expected["transcendentals"])
+
+
+@pytest.mark.parametrize("name", ["one_minus_square", "fma"])
+def test_the_newer_elementwise_primitives_agree_with_xla(name):
+    if not hasattr(lax, name):
+        pytest.skip(f"lax.{name} is not in JAX {jax.__version__}")
+    x = jnp.linspace(0.1, 0.9, 16)
+    fn = getattr(lax, name)
+    args = (x,) if name == "one_minus_square" else (x, x, x)
+    _, cost = count_flops(fn)(*args)
+    expected = xla_cost(fn, *args)
+    assert (cost.flops, cost.transcendentals) == (expected["flops"], expected["transcendentals"])
+    assert cost.unpriced == {}
+
+
+def test_the_gradient_of_a_tanh_network_and_of_a_pooling_is_priced():
+    def pooled(x):
+        y = lax.reduce_window(jnp.tanh(x), -jnp.inf, lax.max, (2, 2), (2, 2), "VALID")
+        return jnp.sum(y)
+
+    _, cost = count_flops(jax.grad(pooled))(jnp.ones((8, 8)))
+    assert cost.unpriced == {}
+    assert cost.by_primitive["select_and_scatter_add"][0] == 16 * 4
+    _, cost = count_flops(GRAD_MLP[0])(*GRAD_MLP[1])
+    assert cost.unpriced == {}
+
+
+def test_a_primitive_with_no_cost_rule_is_listed_not_silently_free():
+    def fn(x, w):
+        return lax.ragged_dot(x, w, jnp.array([2, 2], jnp.int32))
+
+    _, cost = count_flops(fn)(jnp.ones((4, 4)), jnp.ones((2, 4, 3)))
+    assert cost.unpriced == {"ragged_dot_general": 1}
+    assert "no cost rule, FLOPs not counted" in repr(cost)
+    _, jitted = jax.jit(count_flops(fn))(jnp.ones((4, 4)), jnp.ones((2, 4, 3)))
+    assert jitted.unpriced == {"ragged_dot_general": 1}
+    # Moving data costs nothing, and is priced so.
+    _, moves = count_flops(lambda x: jnp.concatenate([x.T, x]).reshape(-1))(jnp.ones((4, 4)))
+    assert moves.flops == 0 and moves.unpriced == {}
 
 
 def test_matmul_by_hand():

@@ -16,8 +16,9 @@ from jax.extend.random import define_prng_impl
 from jax.sharding import PartitionSpec as P
 
 from kups import instrument
+from kups.checks import check, checked
 from kups.effects import InterpreterPolicy
-from kups.instrument import PrimitiveCounts, count_primitives
+from kups.instrument import PrimitiveCounts, count_flops, count_primitives
 from library_primitive import library_call, library_fn_call
 
 X = jnp.float32(0.5)
@@ -783,3 +784,16 @@ def test_exported_counts_keep_opaque_calls():
     _, counts = jax.export.deserialize(exported.serialize()).call(X, jnp.ones(5))
     assert {name: int(count) for name, count in counts.opaque.items()} == {"library_call": 6}
     assert {name: int(count) for name, count in counts.items()} == {"add": 5, "exp": 1}
+
+
+def test_reports_of_eval_shape_print_and_sum_to_shapes():
+    _, counts = jax.eval_shape(count_primitives(jnp.sin), jnp.ones(3))
+    assert "sin        abstract int32[]" in repr(counts)
+    _, cost = jax.eval_shape(count_flops(jnp.sin), jnp.ones(3))
+    assert "abstract float32[]" in repr(cost)
+    assert cost.flops == jax.ShapeDtypeStruct((), jnp.float32)
+    assert cost.unpriced == {}
+    _, error = jax.eval_shape(
+        checked(lambda x: (check(x.sum() > 0, "negative"), x)[1]), jnp.ones(3)
+    )
+    assert repr(error) == "Error(<traced>, 1 check sites)"

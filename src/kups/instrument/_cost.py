@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._cost_model import NO_RULE
 from ._counts import rows_by_count
 from ._table import Section, as_int, format_number, html_table, is_traced, text_table
 
@@ -25,6 +26,13 @@ def _weighted_sum(counts: Iterable[tuple[Any, int]]) -> Any:
     array, one total per element, from vmapped ones); a `float32` array from traced
     counts, whose `int32` products could overflow."""
     pairs = list(counts)
+    if any(isinstance(count, jax.ShapeDtypeStruct) for count, _ in pairs):
+        # A `jax.eval_shape` result: the shape and dtype the total would have.
+        weights = [weight for _, weight in pairs]
+        return jax.eval_shape(
+            lambda counts: _weighted_sum(zip(counts, weights, strict=True)),
+            [count for count, _ in pairs],
+        )
     if is_traced([count for count, _ in pairs]):
         return sum(
             (jnp.asarray(count, jnp.float32) * weight for count, weight in pairs),
@@ -101,6 +109,20 @@ class Cost:
         return self._total(3)
 
     @property
+    def unpriced(self) -> dict[str, Any]:
+        """How many times each primitive ran that kups has no cost rule for (a
+        library's or a new JAX primitive that computes): its FLOPs and
+        transcendentals are not in the totals, only its bytes. Empty when every
+        operation that ran is priced."""
+        names = sorted({key[0] for key in self.executions} & NO_RULE)
+        return {
+            name: _weighted_sum(
+                (count, 1) for key, count in self.executions.items() if key[0] == name
+            )
+            for name in names
+        }
+
+    @property
     def by_primitive(self) -> dict[str, tuple[Any, Any, Any]]:
         """`(flops, transcendentals, bytes_accessed)` by primitive name."""
         names = sorted({key[0] for key in self.executions})
@@ -122,6 +144,10 @@ class Cost:
         if self.opaque:
             calls = [(name, count, "", "") for name, count in rows_by_count(self.opaque)]
             sections.append(("not counted inside (calls):", calls))
+        unpriced = self.unpriced
+        if unpriced:
+            runs = [(name, format_number(count), "", "") for name, count in unpriced.items()]
+            sections.append(("no cost rule, FLOPs not counted (runs):", runs))
         return sections
 
     def __repr__(self) -> str:

@@ -3,9 +3,10 @@
 accessed, read from the equation's abstract values alone.
 
 The rules live in a table from primitive name to rule, each registered under its
-definition; a primitive without a rule (data movement: `reshape`, `broadcast_in_dim`,
-`transpose`, `concatenate`, `pad`, ...) does no FLOPs and accesses its operands
-and its outputs.
+definition; a primitive without a rule does no FLOPs and accesses its operands and
+its outputs. That is right for data movement (`FREE`: `reshape`,
+`broadcast_in_dim`, `transpose`, `concatenate`, `pad`, ...); any other primitive
+without a rule is remembered in `NO_RULE`, so that `Cost.unpriced` names it.
 """
 
 from __future__ import annotations
@@ -99,8 +100,24 @@ _register(
     "acos acosh asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt cos cosh "
     "digamma erf erf_inv erfc exp exp2 expm1 igamma igammac lgamma log log1p "
     "logistic polygamma pow random_gamma_grad regularized_incomplete_beta rsqrt "
-    "sin sinh sqrt tan tanh zeta",
+    "sin sinh sqrt tan tanh zeta exp2 log2 sinpi cospi tanpi exp2m1 log2p1",
 )
+
+
+def _one_minus_square(eqn: JaxprEqn) -> tuple[int, int, int | None]:
+    """`1 - x * x`, the derivative of `tanh`: 3 FLOPs per element, as XLA counts it."""
+    return 3 * _out_elements(eqn), 0, None
+
+
+RULES["one_minus_square"] = _one_minus_square
+
+
+def _fma(eqn: JaxprEqn) -> tuple[int, int, int | None]:
+    """`a * b + c`: a multiplication and an addition per element."""
+    return 2 * _out_elements(eqn), 0, None
+
+
+RULES["fma"] = _fma
 
 
 def _integer_pow(eqn: JaxprEqn) -> tuple[int, int, int | None]:
@@ -150,7 +167,71 @@ def _all_reduce(eqn: JaxprEqn) -> tuple[int, int, int | None]:
     return sum(_elements(var.aval) for var in eqn.outvars), 0, None
 
 
-_register(_all_reduce, "psum pmax pmin psum_invariant")
+_register(_all_reduce, "psum pmax pmin psum_invariant reduce_scatter psum_scatter")
+
+
+def _reduce_window(eqn: JaxprEqn) -> tuple[int, int, int | None]:
+    """A pooling: the combiner applied `window size - 1` times per output element
+    (padding included), as HloCostAnalysis counts it."""
+    window = math.prod(eqn.params["window_dimensions"])
+    return sum(_elements(v.aval) for v in eqn.outvars) * max(window - 1, 0), 0, None
+
+
+_register(
+    _reduce_window,
+    "reduce_window reduce_window_sum reduce_window_max reduce_window_min",
+)
+
+
+def _select_and_scatter_add(eqn: JaxprEqn) -> tuple[int, int, int | None]:
+    """The gradient of a max pooling: per element of the incoming gradient, a
+    comparison for each other element of its window and one addition."""
+    source = _elements(eqn.invars[0].aval)
+    return source * math.prod(eqn.params["window_dimensions"]), 0, None
+
+
+RULES["select_and_scatter_add"] = _select_and_scatter_add
+
+
+def _fft(eqn: JaxprEqn) -> tuple[int, int, int | None]:
+    """HloCostAnalysis' FFT: 8 FLOPs per element of the real-valued side (the
+    complex one for a complex transform) and per `log2` of each transformed
+    length, multiplied."""
+    lengths = eqn.params["fft_lengths"]
+    logs = math.prod(max(int(length).bit_length() - 1, 0) for length in lengths)
+    inverse_real = "IRFFT" in str(eqn.params["fft_type"]).upper()
+    side = eqn.outvars[0] if inverse_real else eqn.invars[0]
+    return 8 * logs * _elements(side.aval), 0, None
+
+
+RULES["fft"] = _fft
+
+
+def _triangular_solve(eqn: JaxprEqn) -> tuple[int, int, int | None]:
+    """`m * m` FLOPs per right-hand side for an `m` by `m` triangle (a
+    multiplication and an addition per element of the half it reads). XLA on CPU
+    calls a library for it and gives no figure."""
+    a, b = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    m = a[-1]
+    batch = math.prod(b[:-2])
+    rhs = b[-1] if eqn.params["left_side"] else b[-2]
+    return batch * m * m * rhs, 0, None
+
+
+RULES["triangular_solve"] = _triangular_solve
+
+
+# Primitives that move, convert the type of, or name data, and compute nothing:
+# no FLOPs (`Cost.unpriced` lists the primitives that ran with no rule and not here).
+_FREE_NAMES = (
+    "reshape broadcast_in_dim transpose concatenate pad squeeze expand_dims rev copy "
+    "copy_p iota bitcast_convert_type device_put optimization_barrier pvary pbroadcast "
+    "ppermute all_gather all_gather_invariant all_to_all axis_index sharding_constraint "
+    "reshard mesh_cast split tile stop_gradient name checkpoint_name random_wrap "
+    "random_unwrap random_seed random_split random_fold_in debug_callback create_token "
+    "after_all empty"
+)
+FREE = frozenset(_FREE_NAMES.split())
 
 
 def _sort(eqn: JaxprEqn) -> tuple[int, int, int | None]:
@@ -204,7 +285,7 @@ def _scatter(eqn: JaxprEqn) -> tuple[int, int, int | None]:
     return combines, 0, 3 * _bytes(updates) + _bytes(indices)
 
 
-_register(_scatter, "scatter scatter-add scatter-mul scatter-min scatter-max")
+_register(_scatter, "scatter scatter-add scatter-sub scatter-mul scatter-min scatter-max")
 
 
 def _valid_positions(
@@ -257,9 +338,17 @@ def _conv(eqn: JaxprEqn) -> tuple[int, int, int | None]:
 RULES["conv_general_dilated"] = _conv
 
 
+# The primitives met with no rule that are not `FREE`: counted with no FLOPs, and
+# listed by `Cost.unpriced`.
+NO_RULE: set[str] = set()
+
+
 def equation_cost(eqn: JaxprEqn) -> EqnCost:
     """The cost of one execution of `eqn` (an equation without sub-programs)."""
-    rule = RULES.get(eqn.primitive.name)
+    name = eqn.primitive.name
+    rule = RULES.get(name)
+    if rule is None and name not in FREE:
+        NO_RULE.add(name)
     flops, transcendentals, bytes_accessed = rule(eqn) if rule else (0, 0, None)
     if bytes_accessed is None:
         bytes_accessed = _default_bytes(eqn)

@@ -55,9 +55,11 @@ def count_flops(
       `expm1`, `log1p`, `erf` (and JAX's other special functions, which XLA
       expands into several operations);
     - reductions: 1 FLOP per element reduced away (input minus output elements);
-      `sort`: `n * ceil(log2 n)`;
+      `sort`: `n * ceil(log2 n)`; pooling (`reduce_window`) `window size - 1` per
+      output element; `fft` `8 * log2(n)` per element;
     - data movement (`reshape`, `broadcast_in_dim`, `transpose`, `gather`, ...):
-      no FLOPs;
+      no FLOPs; a primitive that computes but has no rule is listed in
+      `cost.unpriced` (and counted with no FLOPs);
     - bytes accessed: the bytes of the operands and the outputs (a slice, a
       gather, `dynamic_update_slice` and scatter only the part they touch). XLA's
       own figure, after fusion, is lower: fused intermediates never reach memory;

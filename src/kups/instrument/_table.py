@@ -17,15 +17,20 @@ from jax.core import Tracer
 Section = tuple[str | None, list[tuple[str, ...]]]
 
 
+# What stands for a number that has no value here: a tracer, or the shape and
+# dtype a `jax.eval_shape` of an instrumented function gives.
+_ABSTRACT = (Tracer, jax.ShapeDtypeStruct)
+
+
 def is_traced(tree: Any) -> bool:
     """Whether any leaf of `tree` is a tracer (the report was made under a
-    transformation such as `jax.jit`)."""
-    return any(isinstance(leaf, Tracer) for leaf in jax.tree.leaves(tree))
+    transformation such as `jax.jit`) or a `jax.eval_shape` result."""
+    return any(isinstance(leaf, _ABSTRACT) for leaf in jax.tree.leaves(tree))
 
 
 def as_int(number: Any) -> int | None:
-    """`number` as a Python `int`, or `None` when it is traced or not a scalar."""
-    if isinstance(number, Tracer) or np.ndim(number) != 0:
+    """`number` as a Python `int`, or `None` when it is abstract or not a scalar."""
+    if isinstance(number, _ABSTRACT) or np.ndim(number) != 0:
         return None
     return int(number)
 
@@ -37,6 +42,8 @@ def format_number(number: Any) -> str:
         return str(value)
     if isinstance(number, Tracer):
         return f"traced {jax.typeof(number).str_short()}"
+    if isinstance(number, jax.ShapeDtypeStruct):
+        return f"abstract {np.dtype(number.dtype).name}{list(number.shape)}"
     # One number per element, as `jax.vmap` of an instrumented function returns them.
     return np.array2string(np.asarray(number))
 

@@ -98,7 +98,10 @@ class Report:
         raise NotImplementedError(f"{type(self).__name__} must define first_event()")
 
     def _is_traced(self) -> bool:
-        return any(isinstance(leaf, Tracer) for leaf in jax.tree.leaves(self))
+        # A `jax.eval_shape` result holds shapes where values would be.
+        return any(
+            isinstance(leaf, (Tracer, jax.ShapeDtypeStruct)) for leaf in jax.tree.leaves(self)
+        )
 
     def _event(self, reading: str) -> Event | None:
         if self._is_traced():
