@@ -65,6 +65,8 @@ KNOWN_PARAMS: dict[str, frozenset[str]] = {
     "closed_call": frozenset({"call_jaxpr"}),
     # A call of a jaxpr, new in JAX 0.11 (what `closed_call` and custom rules emit).
     "eval_jaxpr": frozenset({"call_jaxpr"}),
+    # `lax.composite`: its decomposition is `jaxpr` up to JAX 0.10, `call_jaxpr` after.
+    "composite": frozenset({"name", "attributes", "version", "jaxpr", "call_jaxpr"}),
     # The forward pass of a `custom_vjp` declared with `optimize_remat=True`, as
     # differentiation stages it (the same in JAX 0.10.0 to 0.12.0.1).
     "remat_opt": frozenset({"num_consts", "num_res", "fwd_jaxpr", "fun_jaxpr_thunk"}),
