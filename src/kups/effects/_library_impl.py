@@ -43,6 +43,10 @@ def _impl_function(primitive: Any) -> Any:
     """The primitive's Python implementation. For an equinox `vprim` it is the one
     its batching rule vmaps (lineax registers its solve's impl twice: the
     batchable one there, and one that refuses transformed inputs as `impl`)."""
+    if primitive.name == "call_hi_primitive":
+        # JAX's own (from 0.12: `lax.custom_root`, `jnp.searchsorted`, ...): the
+        # object in its params expands into the primitives it stands for.
+        return primitive.to_lojax
     equinox_primitives = sys.modules.get("equinox.internal._primitive")
     registry = getattr(equinox_primitives, "_vprim_impl_registry", {})
     return registry.get(primitive, primitive.impl)

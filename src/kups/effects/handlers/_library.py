@@ -33,7 +33,7 @@ from ._library_jvp import Interpreted, rule_tangents
 _SymbolicZero = _compat.symbolic_zero_type()
 
 
-@default_handler_for("linear_solve", "vprim")
+@default_handler_for("linear_solve", "vprim", "call_hi_primitive")
 @interprets_implementation
 def default_library_primitive_handler(
     interpreter: Any,
