@@ -38,13 +38,26 @@ def in_handler(err: Exception, handler: Any, eqn: JaxprEqn, ctx: Any) -> Excepti
     is not made from a message (JAX's `TracerBoolConversionError` takes the
     tracer) gets the same words as a note, and `None` is returned: the caller
     raises `err` itself."""
-    raised_at = None if getattr(err, "_kups_context", False) else _user_line(err)
-    if raised_at is None:
+    if getattr(err, "_kups_context", False):
+        return None
+    raised_at = _user_line(err)
+    mismatch = raised_at is None and _called_with_wrong_arguments(err)
+    if raised_at is None and not mismatch:
         return None
     hooks = ""
     if isinstance(handler, functools.partial) and handler.keywords:
         hooks = f" (with {', '.join(f'{k}=' for k in handler.keywords)})"
     tracer_error = isinstance(err, jax.errors.ConcretizationTypeError)
+    if mismatch:
+        wrong = TypeError(
+            f"{err}\n\nkups: the handler {handler_name(handler)}{hooks} for the "
+            f"{where(eqn)}, or a function given to it, was called with arguments it does "
+            f"not take. A handler is called as handler(interpreter, ctx, eqn, invals) and "
+            f"returns a HandlerResult(ctx, outvals); the hooks of the default handlers "
+            f"(initializer, updater, reduce_ctx, ...) take what their docs say."
+        )
+        wrong._kups_context = True  # pyright: ignore[reportAttributeAccessIssue]
+        return wrong
     if tracer_error:
         advice = (
             "Inside a loop, a cond or a jit call (and anywhere under a transformation) a "
@@ -74,6 +87,28 @@ def in_handler(err: Exception, handler: Any, eqn: JaxprEqn, ctx: Any) -> Excepti
         return None
     wrapped._kups_context = True  # pyright: ignore[reportAttributeAccessIssue]
     return wrapped
+
+
+# How Python words a call with arguments the function does not take.
+_MISMATCH_WORDS = (
+    "positional argument",
+    "unexpected keyword argument",
+    "required keyword-only argument",
+    "multiple values for argument",
+)
+
+
+def _called_with_wrong_arguments(err: BaseException) -> bool:
+    """Whether `err` is the `TypeError` of a call, from kups' own code, of a
+    function given to it (a handler, a hook) with arguments it does not take:
+    raised by the call itself, so that no frame of the function is in its
+    traceback."""
+    if not isinstance(err, TypeError) or not any(w in str(err) for w in _MISMATCH_WORDS):
+        return False
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and _source.is_library_file(tb.tb_frame.f_code.co_filename)
 
 
 def _user_line(err: BaseException) -> str | None:
