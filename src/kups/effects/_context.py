@@ -162,6 +162,20 @@ def diff(a: CtxSpec, b: CtxSpec) -> list[str]:
                     f"change here; if it holds arrays, register its type as a pytree, e.g. "
                     f"with jax.tree_util.register_dataclass or as an equinox.Module)"
                 )
+    if not lines and a.treedef == b.treedef and a.value_mask == b.value_mask:
+        # Static leaves that differ but print the same.
+        statics = iter(zip(a.statics, b.statics, strict=True))
+        for path, m in zip(a.paths, a.value_mask, strict=True):
+            if not m:
+                left, right = next(statics)
+                if not _statics_equal((left,), (right,)):
+                    lines.append(
+                        f"  ctx{keystr(path)}: static {left!r} vs static {right!r} (objects "
+                        f"that are not equal, though they print the same: kups compares "
+                        f"static leaves with ==; give the type an __eq__, or, if it holds "
+                        f"arrays, register it as a pytree, e.g. with "
+                        f"jax.tree_util.register_dataclass or as an equinox.Module)"
+                    )
     if not lines and a.treedef != b.treedef:
         lines.append(f"  tree structure: {a.treedef} vs {b.treedef}")
     return lines
