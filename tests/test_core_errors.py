@@ -673,3 +673,84 @@ def test_gradient_of_an_interpreted_function_whose_tap_is_not_handled_is_quiet()
     identity = Interpreter(default_dispatcher())
     grads = jax.grad(lambda w: reinterpret(tap_loss, identity)({}, w, XS)[0])(W)
     assert jnp.array_equal(grads, plain)
+
+
+# ---------------------------------------------------------------------------
+# Functions given to kups with the wrong signature; static leaves that print the
+# same; a keyword argument named `ctx`.
+# ---------------------------------------------------------------------------
+
+
+def _scan_of_sin(xs):
+    return lax.scan(lambda c, x: (c + jnp.sin(x), None), 0.0, xs)[0]
+
+
+def _three_arguments(interpreter, ctx, eqn):
+    return HandlerResult(ctx, [])
+
+
+def _one_argument(sentinel):
+    return sentinel
+
+
+def _recording(interpreter, ctx, eqn, invals):
+    return HandlerResult({**ctx, "k": jnp.sum(invals[0])}, [jnp.sin(invals[0])])
+
+
+@pytest.mark.parametrize(
+    "dispatcher, culprit, primitive",
+    [
+        (default_dispatcher().register_handler("sin", _three_arguments), "", "'sin'"),
+        (default_dispatcher().register_fallback_handler(_three_arguments), "", "'sin'"),
+        (
+            default_dispatcher()
+            .register_handler("sin", _recording)
+            .register_handler(
+                "scan", functools.partial(default_scan_handler, initializer=_one_argument)
+            ),
+            " (with initializer=)",
+            "'scan'",
+        ),
+    ],
+    ids=["handler", "fallback", "initializer"],
+)
+def test_a_function_given_with_the_wrong_signature_is_named_with_the_equation(
+    dispatcher, culprit, primitive
+):
+    with pytest.raises(TypeError) as info:
+        reinterpret(_scan_of_sin, Interpreter(dispatcher))({}, jnp.ones(3))
+    message = str(info.value)
+    assert "positional argument" in message
+    assert f"{culprit} for the primitive {primitive} at {__file__}" in message
+    assert "handler(interpreter, ctx, eqn, invals)" in message
+    assert message.count("kups:") == 1  # said once, not again by each enclosing handler
+
+
+class _Tag:
+    """A static leaf without `__eq__` whose copies print the same."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"_Tag({self.name!r})"
+
+
+def test_static_leaves_that_differ_but_print_the_same_are_named():
+    def tag_sin(interpreter, ctx, eqn, invals):
+        return HandlerResult({"last": _Tag("sin")}, [jnp.sin(invals[0])])
+
+    interpreter = Interpreter(default_dispatcher().register_handler("sin", tag_sin))
+    with pytest.raises(ValueError, match=r"ctx\['last'\]: static _Tag\('sin'\) vs static") as info:
+        reinterpret(_scan_of_sin, interpreter)({"last": _Tag("sin")}, jnp.ones(3))
+    assert "print the same" in str(info.value) and "__eq__" in str(info.value)
+
+
+def test_a_keyword_argument_named_ctx_reaches_the_function():
+    def scaled(x, *, ctx=1.0):
+        return x * ctx
+
+    wrapped = reinterpret(scaled, Interpreter(default_dispatcher()))
+    out, ctx = wrapped(0, X, ctx=5.0)
+    assert ctx == 0 and (out == X * 5.0).all()
+    assert (wrapped(0, X)[0] == X).all()

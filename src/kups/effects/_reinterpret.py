@@ -268,7 +268,8 @@ def reinterpret(fn: Callable[..., Any], interpreter: Interpreter) -> Callable[..
             f"{type(interpreter).__name__}. Build one with Interpreter(default_dispatcher())."
         )
 
-    def call(ctx: Ctx, *args: Any, **kwargs: Any) -> tuple[Any, Ctx]:
+    # `ctx` is positional-only: `fn` may take a keyword argument of that name.
+    def call(ctx: Ctx, /, *args: Any, **kwargs: Any) -> tuple[Any, Ctx]:
         dyn_leaves, rebuild_args = _arrays_of((args, kwargs))
         out_rebuild: list[Callable[[Sequence[Any]], Any]] = []
 
