@@ -1133,8 +1133,18 @@ _ROW_WRITERS = {
 }
 
 
-@pytest.mark.parametrize("writer", sorted(_ROW_WRITERS))
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+# Every writer eagerly; under `jax.jit` (a `jit` equation around the loop, the
+# same for every writer) two of them, a scan and a while loop.
+_ROW_CASES = [
+    *((writer, False) for writer in sorted(_ROW_WRITERS)),
+    ("fori_loop (a scan)", True),
+    ("equinox buffers (maybe_set)", True),
+]
+
+
+@pytest.mark.parametrize(
+    "writer, jit", _ROW_CASES, ids=[f"{'jit' if j else 'eager'}-{w}" for w, j in _ROW_CASES]
+)
 def test_a_buffer_a_loop_writes_row_by_row_keeps_each_rows_origin(writer, jit):
     buffer = _ROW_WRITERS[writer]
     wrap = jax.jit if jit else (lambda f: f)
